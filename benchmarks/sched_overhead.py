@@ -1,0 +1,174 @@
+"""Scheduler overhead through the Python binding, with a fake model.
+
+Replays a workload trace through ``ferryman._core.Scheduler``. The trace is a JSON list of
+``{"id", "arrival_step", "prompt_len", "output_len"}``. The token of request r at position p is
+``splitmix64((seed << 48) | (r << 24) | p) % 151936``. Before step s, every request with
+``arrival_step <= s`` is added; the fake model emits, for every sample, the token of position
+``len(request)``. Only ``schedule()`` and ``update()`` are timed (binding crossing included:
+numpy arrays out, the sampled int32 array in). Prints one JSON line.
+
+    python benchmarks/sched_overhead.py --generate 1024 --out trace.json      # write a trace
+    python benchmarks/sched_overhead.py --trace trace.json                    # ample pool
+    python benchmarks/sched_overhead.py --trace trace.json --pool-fraction 0.25
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from typing import Any
+
+# numpy's BLAS threads spin on this 2-core machine kind and steal time from the measured thread
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import numpy as np
+import numpy.typing as npt
+
+from ferryman import Scheduler, SchedulerConfig
+
+VOCAB = 151936
+M64 = (1 << 64) - 1
+
+
+def splitmix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """splitmix64 on an array of uint64 (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        z = x + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        out: npt.NDArray[np.uint64] = z ^ (z >> np.uint64(31))
+        return out
+
+
+def tokens(seed: int, req: npt.NDArray[np.uint64], pos: npt.NDArray[np.uint64]) -> npt.NDArray[np.int32]:
+    key = (np.uint64(seed) << np.uint64(48)) | (req << np.uint64(24)) | pos
+    out: npt.NDArray[np.int32] = (splitmix64(key) % np.uint64(VOCAB)).astype(np.int32)
+    return out
+
+
+def generate(n: int, seed: int, per_step: int) -> list[dict[str, int]]:
+    """Prompts 128-2048 and outputs 64-512 tokens, uniform; `per_step` arrivals per step."""
+    rng = random.Random(seed)
+    return [
+        {
+            "id": i,
+            "arrival_step": i // per_step,
+            "prompt_len": rng.randint(128, 2048),
+            "output_len": rng.randint(64, 512),
+        }
+        for i in range(n)
+    ]
+
+
+def replay(trace: list[dict[str, int]], cfg: SchedulerConfig, seed: int) -> dict[str, Any]:
+    s = Scheduler(cfg)
+    trace = sorted(trace, key=lambda r: (r["arrival_step"], r["id"]))
+    lens = np.zeros(max(r["id"] for r in trace) + 1, dtype=np.uint64)
+    nxt = 0
+    step_ns: list[int] = []
+    num_tokens = num_generated = num_preemptions = 0
+    min_free = cfg.num_device_blocks
+    step = 0
+    while nxt < len(trace) or s.has_unfinished_requests():
+        while nxt < len(trace) and trace[nxt]["arrival_step"] <= step:
+            r = trace[nxt]
+            rid = np.uint64(r["id"])
+            prompt = tokens(seed, np.full(r["prompt_len"], rid), np.arange(r["prompt_len"], dtype=np.uint64))
+            s.add_request(r["id"], prompt.tolist(), r["output_len"], ignore_eos=True)
+            lens[r["id"]] = r["prompt_len"]
+            nxt += 1
+        t0 = time.perf_counter_ns()
+        out = s.schedule()
+        t1 = time.perf_counter_ns()
+        ids = out.sample_req_ids.astype(np.uint64)
+        sampled = tokens(seed, ids, lens[ids])
+        t2 = time.perf_counter_ns()
+        res = s.update(sampled)
+        t3 = time.perf_counter_ns()
+        lens[res.req_ids] += np.uint64(1)
+        step_ns.append((t1 - t0) + (t3 - t2))
+        num_tokens += out.num_scheduled_tokens
+        num_generated += len(res)
+        num_preemptions += out.num_preemptions
+        min_free = min(min_free, out.num_free_device_blocks)
+        step += 1
+    st = s.stats()
+    assert st["num_free_device_blocks"] == cfg.num_device_blocks
+    ns = np.array(step_ns, dtype=np.float64)
+    total = float(ns.sum())
+    return {
+        "requests": len(trace),
+        "num_device_blocks": cfg.num_device_blocks,
+        "preemption_mode": cfg.preemption_mode,
+        "steps": step,
+        "preemptions": num_preemptions,
+        "preemptions_recompute": st["num_preemptions_recompute"],
+        "preemptions_swap": st["num_preemptions_swap"],
+        "scheduled_tokens": num_tokens,
+        "output_tokens": num_generated,
+        "us_per_step_mean": round(total / len(ns) / 1e3, 2),
+        "us_per_step_p50": round(float(np.percentile(ns, 50)) / 1e3, 2),
+        "us_per_step_p99": round(float(np.percentile(ns, 99)) / 1e3, 2),
+        "ns_per_output_token": round(total / num_generated, 1),
+        "scheduler_ms_total": round(total / 1e6, 1),
+        "peak_blocks_used": cfg.num_device_blocks - min_free,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", help="JSON trace to replay")
+    p.add_argument("--generate", type=int, metavar="N", help="generate an N-request trace")
+    p.add_argument("--arrivals-per-step", type=int, default=8)
+    p.add_argument("--out", help="with --generate: write the trace here and exit")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--num-device-blocks", type=int, help="default: every request fits at once")
+    p.add_argument(
+        "--pool-fraction",
+        type=float,
+        help="size the pool to this fraction of the peak blocks an ample run uses (e.g. 0.25)",
+    )
+    p.add_argument("--num-host-blocks", type=int, default=0)
+    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"])
+    a = p.parse_args(argv)
+    if a.generate:
+        trace = generate(a.generate, a.seed, a.arrivals_per_step)
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(trace, f)
+            return 0
+    elif a.trace:
+        with open(a.trace) as f:
+            trace = json.load(f)
+    else:
+        p.error("give --trace FILE or --generate N")
+
+    def config(num_device_blocks: int) -> SchedulerConfig:
+        return SchedulerConfig(
+            block_size=a.block_size,
+            num_device_blocks=num_device_blocks,
+            num_host_blocks=a.num_host_blocks,
+            max_num_batched_tokens=a.max_num_batched_tokens,
+            max_num_seqs=a.max_num_seqs,
+            max_model_len=max(r["prompt_len"] + r["output_len"] for r in trace),
+            preemption_mode=a.preemption_mode,
+        )
+
+    need = [-(-(r["prompt_len"] + r["output_len"]) // a.block_size) for r in trace]
+    blocks = a.num_device_blocks or sum(need)
+    if a.pool_fraction:
+        peak = replay(trace, config(sum(need)), a.seed)["peak_blocks_used"]
+        blocks = max(int(peak * a.pool_fraction), max(need))
+    print(json.dumps(replay(trace, config(blocks), a.seed)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""Type stubs of the Rust extension ``ferryman._core`` (checked by ``mypy.stubtest``).
+
+Per step exactly two calls cross: ``Scheduler.schedule()`` and ``Scheduler.update()``. B = rows
+(scheduled requests), T = scheduled tokens, S = samples (a request finishing its prompt with
+``n > 1`` samples its last row n times). Every array is C-contiguous and owned by numpy.
+"""
+
+from typing import Literal, final
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "EngineError",
+    "InvalidRequestError",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "StepOutputs",
+    "__version__",
+]
+
+__version__: str
+
+class InvalidRequestError(ValueError):
+    """A request or argument the core rejects (bad config, unknown/duplicate id, infeasible)."""
+
+class EngineError(RuntimeError):
+    """The step protocol was misused (e.g. two schedule() without update()) or a bug was found."""
+
+@final
+class SchedulerConfig:
+    """The scheduler's knobs (keywords only, vLLM's names); validated on construction.
+
+    ``num_device_blocks`` counts usable blocks (the null block 0 is extra). ``bytes_per_block``,
+    ``host_link_bytes_per_s`` and ``prefill_tokens_per_s`` are the ``auto`` mode's cost model.
+    """
+
+    def __new__(
+        cls,
+        *,
+        block_size: int = 16,
+        num_device_blocks: int = 4096,
+        num_host_blocks: int = 0,
+        max_num_batched_tokens: int = 8192,
+        max_num_seqs: int = 256,
+        max_model_len: int = 8192,
+        enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
+        preemption_mode: str = "auto",
+        policy: str = "fcfs",
+        watermark: float = 0.01,
+        bytes_per_block: float = 2097152.0,
+        host_link_bytes_per_s: float = 50e9,
+        prefill_tokens_per_s: float = 20000.0,
+    ) -> SchedulerConfig: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_device_blocks(self) -> int: ...
+    @property
+    def num_host_blocks(self) -> int: ...
+    @property
+    def max_num_batched_tokens(self) -> int: ...
+    @property
+    def max_num_seqs(self) -> int: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def enable_chunked_prefill(self) -> bool: ...
+    @property
+    def enable_prefix_caching(self) -> bool: ...
+    @property
+    def preemption_mode(self) -> str: ...
+    @property
+    def policy(self) -> str: ...
+    @property
+    def watermark(self) -> float: ...
+    @property
+    def bytes_per_block(self) -> float: ...
+    @property
+    def host_link_bytes_per_s(self) -> float: ...
+    @property
+    def prefill_tokens_per_s(self) -> float: ...
+
+@final
+class SchedulerOutput:
+    """The plan of one step. Run the plans in the order swap-out, swap-in, copy, then the
+    forward; sample rows ``logits_indices``; pass the tokens to ``update()``."""
+
+    @property
+    def req_ids(self) -> npt.NDArray[np.int64]:
+        """int64 [B]: request of each row."""
+    @property
+    def seq_indices(self) -> npt.NDArray[np.int32]:
+        """int32 [B]: fork index of each row (0 unless n > 1)."""
+    @property
+    def input_ids(self) -> npt.NDArray[np.int32]:
+        """int32 [T]: tokens to compute."""
+    @property
+    def positions(self) -> npt.NDArray[np.int64]:
+        """int64 [T]: their positions."""
+    @property
+    def qo_indptr(self) -> npt.NDArray[np.int32]:
+        """int32 [B+1]: row offsets into the T tokens; qo_indptr[-1] == T."""
+    @property
+    def seq_lens(self) -> npt.NDArray[np.int32]:
+        """int32 [B]: KV length of each row after this step."""
+    @property
+    def kv_indptr(self) -> npt.NDArray[np.int32]:
+        """int32 [B+1]: row offsets into kv_indices (FlashInfer's paged_kv_indptr)."""
+    @property
+    def kv_indices(self) -> npt.NDArray[np.int32]:
+        """int32 [kv_indptr[-1]]: device blocks of each row, in order."""
+    @property
+    def kv_last_page_len(self) -> npt.NDArray[np.int32]:
+        """int32 [B]: tokens in each row's last block, 1..block_size."""
+    @property
+    def slot_mapping(self) -> npt.NDArray[np.int64]:
+        """int64 [T]: block * block_size + offset where each token's KV is written."""
+    @property
+    def logits_indices(self) -> npt.NDArray[np.int64]:
+        """int64 [S]: token row whose logits each sample uses (a row repeats for n > 1)."""
+    @property
+    def sample_req_ids(self) -> npt.NDArray[np.int64]:
+        """int64 [S]: request of each sample."""
+    @property
+    def sample_seq_indices(self) -> npt.NDArray[np.int32]:
+        """int32 [S]: fork index of each sample."""
+    @property
+    def blocks_to_swap_out(self) -> npt.NDArray[np.int32]:
+        """int32 [k, 2]: (device block, host block) pairs to copy device -> host first."""
+    @property
+    def blocks_to_swap_in(self) -> npt.NDArray[np.int32]:
+        """int32 [m, 2]: (host block, device block) pairs to copy host -> device second."""
+    @property
+    def blocks_to_copy(self) -> npt.NDArray[np.int32]:
+        """int32 [c, 2]: (src, dst) device blocks to copy third (copy-on-write)."""
+    @property
+    def preempted_req_ids(self) -> npt.NDArray[np.int64]:
+        """int64 [p]: requests preempted in this step."""
+    @property
+    def finished_req_ids(self) -> npt.NDArray[np.int64]:
+        """int64 [f]: requests finished or aborted since the previous schedule()."""
+    @property
+    def step(self) -> int: ...
+    @property
+    def num_scheduled_tokens(self) -> int: ...
+    @property
+    def num_prefill_tokens(self) -> int: ...
+    @property
+    def token_budget_left(self) -> int: ...
+    @property
+    def num_free_device_blocks(self) -> int: ...
+    @property
+    def num_free_host_blocks(self) -> int: ...
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def num_swapped(self) -> int: ...
+    @property
+    def num_preemptions(self) -> int: ...
+
+_FinishReason = Literal["stop", "length", "abort"]
+
+@final
+class StepOutputs:
+    """What update() did, one entry per sample of the step, in logits_indices order."""
+
+    @property
+    def req_ids(self) -> npt.NDArray[np.int64]:
+        """int64 [S]."""
+    @property
+    def seq_indices(self) -> npt.NDArray[np.int32]:
+        """int32 [S]."""
+    @property
+    def new_token_ids(self) -> npt.NDArray[np.int32]:
+        """int32 [S]: the token appended."""
+    @property
+    def finish_reasons(self) -> list[_FinishReason | None]:
+        """[S]: None, or why this token finished the sequence."""
+    def __len__(self) -> int: ...
+
+@final
+class Scheduler:
+    """The per-step scheduler and KV block manager."""
+
+    def __new__(cls, config: SchedulerConfig) -> Scheduler: ...
+    @property
+    def config(self) -> SchedulerConfig: ...
+    def add_request(
+        self,
+        req_id: int,
+        prompt_token_ids: list[int] | tuple[int, ...] | npt.NDArray[np.integer],
+        max_tokens: int,
+        *,
+        priority: int = 0,
+        eos_token_id: int | None = None,
+        stop_token_ids: list[int] | tuple[int, ...] = ...,
+        ignore_eos: bool = False,
+        n: int = 1,
+    ) -> None:
+        """Queues a request; raises InvalidRequestError for a duplicate live id, an empty prompt,
+        bad parameters, or a request that could never fit max_model_len or the device pool."""
+    def schedule(self) -> SchedulerOutput: ...
+    def update(self, sampled_token_ids: npt.ArrayLike) -> StepOutputs:
+        """One int32 token per entry of the last logits_indices, in order."""
+    def abort_request(self, req_id: int) -> bool: ...
+    def finish_request(self, req_id: int, reason: str, seq_index: int | None = None) -> None: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def stats(self) -> dict[str, int]: ...
+    def drain_events(self) -> list[dict[str, int | float | str]]: ...
+    def check_invariants(self) -> None: ...
+    def block_table(self, req_id: int, seq_index: int = 0) -> list[int] | None: ...

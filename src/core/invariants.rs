@@ -1,0 +1,125 @@
+//! `check_invariants()`: verifies the whole state against DESIGN.md §6. O(state); for tests and
+//! debugging, never on the hot path.
+
+use crate::block_pool::NULL_BLOCK;
+use crate::error::{CoreError, CoreResult};
+use crate::request::RequestStatus;
+use crate::scheduler::Scheduler;
+
+impl Scheduler {
+    /// Checks pools, reference counts, tables, queues and counters; the first violation found is
+    /// returned as `CoreError::InvariantViolated`.
+    pub fn check_invariants(&self) -> CoreResult<()> {
+        self.check_all().map_err(CoreError::InvariantViolated)
+    }
+
+    fn check_all(&self) -> Result<(), String> {
+        let kv = &self.kv;
+        kv.device.check("device pool")?;
+        kv.host.check("host pool")?;
+        if kv.enable_prefix_caching {
+            kv.prefix_cache.check()?;
+        }
+        // reference counts equal table membership, separately per pool
+        let mut dev_refs = vec![0u32; kv.device.num_blocks()];
+        let mut host_refs = vec![0u32; kv.host.num_blocks()];
+        let mut num_live = 0;
+        for (slot, req) in self.reqs.iter().enumerate() {
+            let (table, host_table) = (&kv.tables[slot], &kv.host_tables[slot]);
+            let Some(r) = req else {
+                if !table.is_empty() || !host_table.is_empty() {
+                    return Err(format!("empty slot {slot} holds blocks"));
+                }
+                continue;
+            };
+            num_live += 1;
+            for &b in table {
+                dev_refs[b as usize] += 1;
+            }
+            for &b in host_table {
+                host_refs[b as usize] += 1;
+            }
+            let id = format!("request {} fork {}", r.req_id, r.seq_index);
+            if table.contains(&NULL_BLOCK) || host_table.contains(&NULL_BLOCK) {
+                return Err(format!("{id} holds the null block"));
+            }
+            if r.num_computed_tokens > r.num_tokens() {
+                return Err(format!("{id} computed more tokens than it has"));
+            }
+            let (in_waiting, in_running, in_swapped) = (
+                self.waiting.iter().filter(|&&s| s as usize == slot).count(),
+                self.running.iter().filter(|&&s| s as usize == slot).count(),
+                self.swapped.iter().filter(|&&s| s as usize == slot).count(),
+            );
+            let queues = (in_waiting, in_running, in_swapped);
+            match r.status {
+                RequestStatus::Waiting => {
+                    if queues != (1, 0, 0) || !table.is_empty() || !host_table.is_empty() || r.num_computed_tokens != 0
+                    {
+                        return Err(format!("{id} is waiting but holds blocks, computed tokens or sits in {queues:?}"));
+                    }
+                }
+                RequestStatus::Running => {
+                    if queues != (0, 1, 0) || !host_table.is_empty() {
+                        return Err(format!("{id} is running but holds host blocks or sits in {queues:?}"));
+                    }
+                    if table.len() < self.cfg.blocks_for(r.num_computed_tokens) {
+                        return Err(format!("{id}'s table does not cover its computed tokens"));
+                    }
+                }
+                RequestStatus::Swapped => {
+                    if queues != (0, 0, 1) || !table.is_empty() {
+                        return Err(format!("{id} is swapped but holds device blocks or sits in {queues:?}"));
+                    }
+                    if host_table.len() != self.cfg.blocks_for(r.num_computed_tokens) {
+                        return Err(format!("{id}'s host table does not match its computed tokens"));
+                    }
+                }
+                _ => return Err(format!("{id} finished but still holds a slot")),
+            }
+            if !self.req_slots.get(&r.req_id).is_some_and(|v| v.contains(&(slot as u32))) {
+                return Err(format!("{id} is not indexed by its req_id"));
+            }
+        }
+        for (b, &n) in dev_refs.iter().enumerate().skip(1) {
+            if kv.device.ref_cnt(b as u32) != n {
+                return Err(format!(
+                    "device block {b}: ref_cnt {} but {n} tables hold it",
+                    kv.device.ref_cnt(b as u32)
+                ));
+            }
+        }
+        for (b, &n) in host_refs.iter().enumerate().skip(1) {
+            if kv.host.ref_cnt(b as u32) != n {
+                return Err(format!("host block {b}: ref_cnt {} but {n} tables hold it", kv.host.ref_cnt(b as u32)));
+            }
+        }
+        let used = dev_refs.iter().skip(1).filter(|&&n| n > 0).count();
+        if used + kv.device.num_free() + 1 != kv.device.num_blocks() {
+            return Err("device: free + used + null != total".into());
+        }
+        let used = host_refs.iter().skip(1).filter(|&&n| n > 0).count();
+        if used + kv.host.num_free() + 1 != kv.host.num_blocks() {
+            return Err("host: free + used + null != total".into());
+        }
+        if num_live != self.waiting.len() + self.running.len() + self.swapped.len() {
+            return Err("a queue holds a slot twice or a dead slot".into());
+        }
+        if self.req_slots.values().map(Vec::len).sum::<usize>() != num_live {
+            return Err("req_id index out of step with the live requests".into());
+        }
+        let seqs: usize = self.running.iter().map(|&s| self.req(s).num_pending_forks as usize).sum();
+        if seqs != self.num_running_seqs || seqs > self.cfg.max_num_seqs {
+            return Err(format!("running forks {seqs} (counted {}) vs max_num_seqs", self.num_running_seqs));
+        }
+        let last = &self.last_step;
+        if last.num_scheduled_tokens > self.cfg.max_num_batched_tokens {
+            return Err("last step exceeded the token budget".into());
+        }
+        let c = &self.counters;
+        if c.num_preemptions_recompute + c.num_preemptions_swap != c.num_events {
+            return Err("preemption counters differ from the events emitted".into());
+        }
+        Ok(())
+    }
+}

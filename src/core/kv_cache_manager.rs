@@ -1,0 +1,251 @@
+//! `KvCacheManager`: turns token counts into blocks. Owns the device and host `BlockPool`s, the
+//! prefix cache, and every request's block table (indexed by the scheduler's request slot).
+//!
+//! Check/commit pairs: the scheduler asks `num_new_blocks` / `num_free`, then commits with
+//! `admit` or `allocate_slots`, which return `None` when the blocks are not there (a value, not
+//! an error). Swapping lives in `swap.rs` on the same type.
+//!
+//! Invariants: every block in a device table has `ref_cnt` equal to the number of tables that
+//! hold it; a table never holds `NULL_BLOCK`; a slot holds a device table or a host table, not
+//! both.
+
+use crate::block_pool::BlockPool;
+use crate::prefix_cache::PrefixCache;
+
+/// The block bookkeeping of one scheduler.
+#[derive(Debug, Clone)]
+pub struct KvCacheManager {
+    pub(crate) block_size: usize,
+    pub(crate) device: BlockPool,
+    pub(crate) host: BlockPool,
+    pub(crate) prefix_cache: PrefixCache,
+    pub(crate) enable_prefix_caching: bool,
+    pub(crate) tables: Vec<Vec<u32>>,
+    pub(crate) host_tables: Vec<Vec<u32>>,
+}
+
+/// A copy-on-write the step must run before the forward: (src, dst) device blocks.
+pub type BlockCopy = (u32, u32);
+
+impl KvCacheManager {
+    /// Pools of `num_device_blocks` and `num_host_blocks` usable blocks.
+    pub fn new(block_size: usize, num_device_blocks: usize, num_host_blocks: usize, prefix: bool) -> Self {
+        Self {
+            block_size,
+            device: BlockPool::new(num_device_blocks),
+            host: BlockPool::new(num_host_blocks),
+            prefix_cache: PrefixCache::new(num_device_blocks + 1),
+            enable_prefix_caching: prefix,
+            tables: Vec::new(),
+            host_tables: Vec::new(),
+        }
+    }
+
+    /// Makes room for request slot `slot`.
+    pub fn ensure_slot(&mut self, slot: u32) {
+        let n = slot as usize + 1;
+        if self.tables.len() < n {
+            self.tables.resize_with(n, Vec::new);
+            self.host_tables.resize_with(n, Vec::new);
+        }
+    }
+
+    /// The device block table of `slot`.
+    #[inline]
+    pub fn table(&self, slot: u32) -> &[u32] {
+        &self.tables[slot as usize]
+    }
+
+    /// The host block table of `slot` (non-empty only while swapped).
+    #[inline]
+    pub fn host_table(&self, slot: u32) -> &[u32] {
+        &self.host_tables[slot as usize]
+    }
+
+    /// Free device blocks (evictable cached blocks included).
+    #[inline]
+    pub fn num_free(&self) -> usize {
+        self.device.num_free()
+    }
+
+    /// Free host blocks.
+    #[inline]
+    pub fn num_free_host(&self) -> usize {
+        self.host.num_free()
+    }
+
+    /// Leading blocks of `hashes` found in the prefix cache, and how many of them are currently
+    /// free (a hit on a free block takes it off the free list).
+    pub fn match_prefix(&self, hashes: &[u128]) -> (usize, usize) {
+        let mut num_free_hits = 0;
+        for (i, &h) in hashes.iter().enumerate() {
+            match self.prefix_cache.lookup(h) {
+                Some(b) => num_free_hits += usize::from(self.device.ref_cnt(b) == 0),
+                None => return (i, num_free_hits),
+            }
+        }
+        (hashes.len(), num_free_hits)
+    }
+
+    /// Gives an empty slot the cached blocks of `hit_hashes` plus `num_new` fresh blocks.
+    /// `None` (nothing changed) if the pool cannot supply them.
+    pub fn admit(&mut self, slot: u32, hit_hashes: &[u128], num_free_hits: usize, num_new: usize) -> Option<()> {
+        debug_assert!(self.tables[slot as usize].is_empty() && self.host_tables[slot as usize].is_empty());
+        if self.device.num_free() < num_new + num_free_hits {
+            return None;
+        }
+        let mut table = std::mem::take(&mut self.tables[slot as usize]);
+        table.reserve(hit_hashes.len() + num_new);
+        for &h in hit_hashes {
+            let b = self.prefix_cache.lookup(h).expect("match_prefix saw this hash");
+            self.device.touch(b);
+            table.push(b);
+        }
+        for _ in 0..num_new {
+            table.push(self.allocate_block().expect("counted above"));
+        }
+        self.tables[slot as usize] = table;
+        Some(())
+    }
+
+    /// Blocks `allocate_slots(slot, num_computed, num_new)` would take: new blocks past the
+    /// table's end, plus one if the first token lands in a shared block (copy-on-write).
+    #[inline]
+    pub fn num_new_blocks(&self, slot: u32, num_computed: usize, num_new: usize) -> usize {
+        let table = &self.tables[slot as usize];
+        let grow = (num_computed + num_new).div_ceil(self.block_size).saturating_sub(table.len());
+        grow + usize::from(self.needs_cow(table, num_computed))
+    }
+
+    #[inline]
+    fn needs_cow(&self, table: &[u32], num_computed: usize) -> bool {
+        !num_computed.is_multiple_of(self.block_size)
+            && table.get(num_computed / self.block_size).is_some_and(|&b| self.device.ref_cnt(b) > 1)
+    }
+
+    /// Makes the table cover `num_computed + num_new` tokens, copying a shared partly filled
+    /// block first. Returns the copy to run, if any; `None` when the pool is short (no change).
+    #[inline]
+    pub fn allocate_slots(&mut self, slot: u32, num_computed: usize, num_new: usize) -> Option<Option<BlockCopy>> {
+        let need = self.num_new_blocks(slot, num_computed, num_new);
+        if need > self.device.num_free() {
+            return None;
+        }
+        let mut cow = None;
+        let idx = num_computed / self.block_size;
+        if self.needs_cow(&self.tables[slot as usize], num_computed) {
+            let src = self.tables[slot as usize][idx];
+            let dst = self.allocate_block().expect("counted above");
+            self.device.free(src, true); // still held by the other forks
+            self.tables[slot as usize][idx] = dst;
+            cow = Some((src, dst));
+        }
+        let want = (num_computed + num_new).div_ceil(self.block_size);
+        while self.tables[slot as usize].len() < want {
+            let b = self.allocate_block().expect("counted above");
+            self.tables[slot as usize].push(b);
+        }
+        Some(cow)
+    }
+
+    /// Takes a block off the free list, forgetting the content it cached.
+    #[inline]
+    pub(crate) fn allocate_block(&mut self) -> Option<u32> {
+        let b = self.device.allocate()?;
+        if self.enable_prefix_caching {
+            self.prefix_cache.evict(b);
+        }
+        Some(b)
+    }
+
+    /// Drops the slot's device references, last block first, so that a prefix is evicted from
+    /// its tail. Cached blocks keep their content for later hits. Returns the blocks freed.
+    pub fn free(&mut self, slot: u32) -> usize {
+        let table = std::mem::take(&mut self.tables[slot as usize]);
+        let mut freed = 0;
+        for &b in table.iter().rev() {
+            freed += usize::from(self.device.free(b, self.prefix_cache.is_cached(b)));
+        }
+        let mut table = table;
+        table.clear();
+        self.tables[slot as usize] = table; // keep the allocation for the next occupant
+        freed
+    }
+
+    /// Frees device blocks of the slot beyond the first `keep` (no content worth keeping).
+    pub fn truncate(&mut self, slot: u32, keep: usize) {
+        while self.tables[slot as usize].len() > keep {
+            let b = self.tables[slot as usize].pop().expect("len > keep");
+            self.device.free(b, self.prefix_cache.is_cached(b));
+        }
+    }
+
+    /// Gives `child` the same blocks as `parent` (one more reference each).
+    pub fn fork(&mut self, parent: u32, child: u32) {
+        debug_assert!(self.tables[child as usize].is_empty());
+        let mut t = std::mem::take(&mut self.tables[child as usize]);
+        t.extend_from_slice(&self.tables[parent as usize]);
+        for &b in &t {
+            self.device.touch(b);
+        }
+        self.tables[child as usize] = t;
+    }
+
+    /// Registers the slot's blocks `from..to` under `hashes[from..to]` in the prefix cache.
+    pub fn cache_blocks(&mut self, slot: u32, hashes: &[u128], from: usize, to: usize) {
+        let table = &self.tables[slot as usize];
+        for i in from..to {
+            self.prefix_cache.insert(table[i], hashes[i]);
+        }
+    }
+
+    /// Blocks of the slot that only it holds: what preempting it really frees.
+    pub fn num_exclusive_blocks(&self, slot: u32) -> usize {
+        self.tables[slot as usize].iter().filter(|&&b| self.device.ref_cnt(b) == 1).count()
+    }
+
+    /// Leading blocks of the slot that others also hold and that are cached: they survive its
+    /// preemption, so its re-prefill will hit them.
+    pub fn num_surviving_prefix_blocks(&self, slot: u32) -> usize {
+        self.tables[slot as usize]
+            .iter()
+            .take_while(|&&b| self.device.ref_cnt(b) > 1 && self.prefix_cache.is_cached(b))
+            .count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cow_copies_a_shared_partial_block_once() {
+        let mut kv = KvCacheManager::new(4, 8, 0, true);
+        kv.ensure_slot(1);
+        kv.admit(0, &[], 0, 2).unwrap(); // 6 prompt tokens -> blocks [1, 2]
+        kv.fork(0, 1);
+        assert_eq!(kv.table(1), &[1, 2]);
+        assert_eq!(kv.device.ref_cnt(2), 2);
+        // fork 1 writes position 6, inside shared block 2
+        assert_eq!(kv.num_new_blocks(1, 6, 1), 1);
+        assert_eq!(kv.allocate_slots(1, 6, 1), Some(Some((2, 3))));
+        assert_eq!(kv.table(1), &[1, 3]);
+        // fork 0 now holds block 2 alone: no copy
+        assert_eq!(kv.allocate_slots(0, 6, 1), Some(None));
+        assert_eq!(kv.device.ref_cnt(2), 1);
+        assert_eq!(kv.device.ref_cnt(1), 2);
+    }
+
+    #[test]
+    fn allocate_slots_is_all_or_nothing() {
+        let mut kv = KvCacheManager::new(4, 3, 0, false);
+        kv.ensure_slot(0);
+        kv.admit(0, &[], 0, 1).unwrap();
+        assert_eq!(kv.allocate_slots(0, 0, 16), None); // needs 4 blocks, pool has 3
+        assert_eq!(kv.table(0), &[1]);
+        assert_eq!(kv.allocate_slots(0, 0, 12), Some(None));
+        assert_eq!(kv.table(0), &[1, 2, 3]);
+        assert_eq!(kv.free(0), 3);
+        assert_eq!(kv.device.free_list(), vec![1, 2, 3]); // uncached blocks go to the head
+    }
+}

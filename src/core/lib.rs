@@ -1,0 +1,30 @@
+//! ferryman-core: the scheduler and KV block manager of the ferryman serving engine. Pure Rust;
+//! the PyO3 binding lives in the parent crate.
+//!
+//! Glossary (DESIGN.md §3): a **request** (`req_id`) is a unit of work; a **block** holds the KV
+//! of `block_size` tokens (FlashInfer's "page"); block 0 is `NULL_BLOCK`; a request's blocks are
+//! its `block_table`; a token's flat KV position is its **slot** = block * block_size + offset;
+//! `ref_cnt` counts the tables holding a block; queues are `waiting`, `running`, `swapped`;
+//! plans are `blocks_to_swap_out`, `blocks_to_swap_in`, `blocks_to_copy`.
+//!
+//! Layering: `Scheduler` (step policy, budgets, preemption) → `KvCacheManager` (tokens → blocks,
+//! tables, swap, prefix cache) → `BlockPool` (blocks, ref counts, free list).
+
+pub mod block_pool;
+pub mod config;
+pub mod error;
+pub mod invariants;
+pub mod kv_cache_manager;
+pub mod outputs;
+mod preemption;
+pub mod prefix_cache;
+pub mod request;
+pub mod scheduler;
+mod step;
+pub mod swap;
+
+pub use config::{Policy, PreemptionMode, PreemptionModeConfig, SchedulerConfig};
+pub use error::{CoreError, CoreResult};
+pub use outputs::{PreemptionEvent, SchedulerOutput, StepOutputs, StepStats};
+pub use request::{FinishReason, RequestStatus};
+pub use scheduler::{Counters, RequestParams, Scheduler};

@@ -1,0 +1,128 @@
+//! What crosses to Python each step: `SchedulerOutput` from `schedule()`, `StepOutputs` from
+//! `update()`, and the telemetry records (`PreemptionEvent`, `StepStats`).
+//!
+//! Every field is a flat `Vec` of the dtype the binding hands to numpy without copying; the
+//! binding documents shapes in `_core.pyi`. B = scheduled requests, T = scheduled tokens,
+//! S = samples (a request finishing its prompt with `n > 1` samples its last row n times).
+
+use crate::config::PreemptionMode;
+use crate::request::FinishReason;
+
+/// The plan of one step.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SchedulerOutput {
+    /// [B] the caller's id of each row.
+    pub req_ids: Vec<i64>,
+    /// [B] fork index of each row (0 unless `n > 1`).
+    pub seq_indices: Vec<i32>,
+    /// [T] tokens to compute.
+    pub input_ids: Vec<i32>,
+    /// [T] their positions.
+    pub positions: Vec<i64>,
+    /// [B+1] row offsets into the T tokens.
+    pub qo_indptr: Vec<i32>,
+    /// [B] KV length of each row after this step.
+    pub seq_lens: Vec<i32>,
+    /// [B+1] row offsets into `kv_indices`.
+    pub kv_indptr: Vec<i32>,
+    /// [nnz] device blocks of each row, in order.
+    pub kv_indices: Vec<i32>,
+    /// [B] tokens in each row's last block (1..=block_size).
+    pub kv_last_page_len: Vec<i32>,
+    /// [T] slot (block * block_size + offset) each token's KV is written to.
+    pub slot_mapping: Vec<i64>,
+    /// [S] token row whose logits are sampled.
+    pub logits_indices: Vec<i64>,
+    /// [S] the caller's id of each sample.
+    pub sample_req_ids: Vec<i64>,
+    /// [S] fork index of each sample.
+    pub sample_seq_indices: Vec<i32>,
+    /// [k, 2] flattened (device, host) pairs: copy before the forward.
+    pub blocks_to_swap_out: Vec<[i32; 2]>,
+    /// [m, 2] flattened (host, device) pairs: copy after the swap-out, before the forward.
+    pub blocks_to_swap_in: Vec<[i32; 2]>,
+    /// [c, 2] flattened (src, dst) device pairs: copy-on-write, after the swaps.
+    pub blocks_to_copy: Vec<[i32; 2]>,
+    /// Requests preempted in this step (their id, once per preemption).
+    pub preempted_req_ids: Vec<i64>,
+    /// Requests that finished or were aborted since the previous `schedule()`.
+    pub finished_req_ids: Vec<i64>,
+    /// Telemetry of this step.
+    pub stats: StepStats,
+}
+
+impl SchedulerOutput {
+    /// Tokens in this step.
+    pub fn num_scheduled_tokens(&self) -> usize {
+        self.input_ids.len()
+    }
+}
+
+/// Per-step numbers for traces and metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepStats {
+    /// Step counter, from 0.
+    pub step: u64,
+    /// Tokens in this step (T).
+    pub num_scheduled_tokens: usize,
+    /// Of them, tokens of rows that are still prefilling (more than one token or not sampled).
+    pub num_prefill_tokens: usize,
+    /// `max_num_batched_tokens - num_scheduled_tokens`.
+    pub token_budget_left: usize,
+    /// Device blocks free after planning.
+    pub num_free_device_blocks: usize,
+    /// Host blocks free after planning.
+    pub num_free_host_blocks: usize,
+    /// Queue sizes after planning.
+    pub num_running: usize,
+    pub num_waiting: usize,
+    pub num_swapped: usize,
+    /// Preemptions in this step.
+    pub num_preemptions: usize,
+}
+
+/// The result of `update()`, one entry per sample of the step.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepOutputs {
+    /// [S] the caller's id.
+    pub req_ids: Vec<i64>,
+    /// [S] fork index.
+    pub seq_indices: Vec<i32>,
+    /// [S] the token appended.
+    pub new_token_ids: Vec<i32>,
+    /// [S] set when this token finished the sequence.
+    pub finish_reasons: Vec<Option<FinishReason>>,
+}
+
+/// One preemption, as it was decided.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PreemptionEvent {
+    /// Step in which it happened.
+    pub step: u64,
+    /// The victim.
+    pub req_id: u64,
+    pub seq_index: u32,
+    /// What happens to its KV.
+    pub mode: PreemptionMode,
+    /// Why this mode: "config" (fixed mode), "cost" (auto chose the cheaper), "host_full"
+    /// (swap wanted but the host pool is short: fell back to recompute).
+    pub reason: &'static str,
+    /// The request whose growth needed the blocks (may be the victim itself).
+    pub for_req_id: u64,
+    /// Device blocks this preemption returned to the free list.
+    pub num_blocks_freed: usize,
+    /// Bytes the swap-out moves (0 for recompute).
+    pub bytes_to_move: u64,
+    /// Tokens the victim must prefill again (0 for swap), net of surviving prefix blocks.
+    pub num_tokens_to_recompute: usize,
+    /// Estimated restore costs in seconds under the cost model.
+    pub swap_cost_s: f64,
+    pub recompute_cost_s: f64,
+    /// Token budget left in the step when it happened.
+    pub token_budget_left: usize,
+    /// Free blocks after it.
+    pub num_free_device_blocks: usize,
+    pub num_free_host_blocks: usize,
+    /// Times this request has been preempted, this one included.
+    pub num_preemptions: u32,
+}

@@ -1,0 +1,163 @@
+//! Preemption: which running request gives up its blocks, and whether its KV is recomputed
+//! later or swapped to host memory.
+//!
+//! Victims. Modes "recompute" and "swap" take the running request of highest precedence key
+//! (policy "fcfs": fewest preemptions, then latest arrival; "priority": largest priority value
+//! first). Mode "auto" looks at every running request in that same worst policy class (same
+//! priority and preemption count) and takes the one that frees the most device blocks per second
+//! of restore cost, so a victim whose blocks are mostly shared with forks (which frees little) is
+//! passed over; ties go to the policy's order.
+//!
+//! Modes. Restore cost of a victim that has computed `c` tokens:
+//! - swap:      2 x blocks_for(c) x bytes_per_block / host_link_bytes_per_s (out and back in);
+//! - recompute: (c - tokens in leading blocks that survive because others hold them and they are
+//!   cached) / prefill_tokens_per_s.
+//!
+//! "auto" takes the cheaper per victim (recompute on a tie); "swap" always swaps. Either falls
+//! back to recompute when the host pool cannot take the blocks: a request is never aborted for
+//! lack of swap space.
+//!
+//! Every preemption raises the victim's precedence (`num_preemptions`) for re-admission and
+//! emits one `PreemptionEvent`.
+
+use crate::config::{PreemptionMode, PreemptionModeConfig};
+use crate::outputs::PreemptionEvent;
+use crate::request::RequestStatus;
+use crate::scheduler::{Scheduler, StepPlan};
+
+/// The estimated restore costs of preempting one request.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RestoreCost {
+    /// Blocks holding computed tokens (what a swap moves).
+    pub num_blocks_to_move: usize,
+    /// Tokens a recompute must prefill again.
+    pub num_tokens_to_recompute: usize,
+    /// Seconds to swap out and back in; `None` when the host pool cannot take the blocks.
+    pub swap_s: Option<f64>,
+    /// Seconds to prefill again.
+    pub recompute_s: f64,
+}
+
+impl RestoreCost {
+    /// The mode "auto" picks, and its cost.
+    fn cheaper(&self) -> (PreemptionMode, f64) {
+        match self.swap_s {
+            Some(s) if s < self.recompute_s => (PreemptionMode::Swap, s),
+            _ => (PreemptionMode::Recompute, self.recompute_s),
+        }
+    }
+}
+
+impl Scheduler {
+    /// Restore costs of preempting the running request in `slot` now.
+    pub(crate) fn restore_cost(&self, slot: u32) -> RestoreCost {
+        let cfg = &self.cfg;
+        let r = self.req(slot);
+        let computed = r.num_computed_tokens;
+        let num_blocks_to_move = cfg.blocks_for(computed);
+        let surviving = self.kv.num_surviving_prefix_blocks(slot).min(computed / cfg.block_size);
+        let num_tokens_to_recompute = computed - surviving * cfg.block_size;
+        let swap_s = (self.kv.num_free_host() >= num_blocks_to_move)
+            .then(|| 2.0 * num_blocks_to_move as f64 * cfg.bytes_per_block / cfg.host_link_bytes_per_s);
+        RestoreCost {
+            num_blocks_to_move,
+            num_tokens_to_recompute,
+            swap_s,
+            recompute_s: num_tokens_to_recompute as f64 / cfg.prefill_tokens_per_s,
+        }
+    }
+
+    /// Index in `running` of the next victim (never called with `running` empty).
+    pub(crate) fn choose_victim(&self) -> usize {
+        let key = |i: usize| self.rank(self.req(self.running[i]));
+        let worst = (0..self.running.len()).max_by_key(|&i| key(i)).expect("running is not empty");
+        if self.cfg.preemption_mode != PreemptionModeConfig::Auto {
+            return worst;
+        }
+        let (w_prio, w_pre, _) = key(worst);
+        let mut best = (worst, f64::NEG_INFINITY, key(worst));
+        for i in 0..self.running.len() {
+            let k = key(i);
+            if (k.0, k.1) != (w_prio, w_pre) {
+                continue;
+            }
+            let slot = self.running[i];
+            let freed = self.kv.num_exclusive_blocks(slot) as f64;
+            let (_, cost) = self.restore_cost(slot).cheaper();
+            let score = freed / (cost + 1e-9);
+            if score > best.1 || (score == best.1 && k > best.2) {
+                best = (i, score, k);
+            }
+        }
+        best.0
+    }
+
+    /// Preempts `running[idx]` to make room for `for_req_id`; undoes its part of the step plan.
+    pub(crate) fn preempt(&mut self, idx: usize, for_req_id: u64, plan: &mut StepPlan) {
+        let slot = self.running.remove(idx);
+        if let Some(at) = plan.scheduled.iter().position(|s| s.slot == slot) {
+            plan.budget += plan.scheduled.remove(at).num_new; // its blocks are freed below
+        }
+        let cost = self.restore_cost(slot);
+        let (mode, reason) = match (self.cfg.preemption_mode, cost.swap_s) {
+            (PreemptionModeConfig::Recompute, _) => (PreemptionMode::Recompute, "config"),
+            (PreemptionModeConfig::Swap, Some(_)) => (PreemptionMode::Swap, "config"),
+            (PreemptionModeConfig::Swap, None) => (PreemptionMode::Recompute, "host_full"),
+            (PreemptionModeConfig::Auto, _) => match cost.cheaper().0 {
+                PreemptionMode::Swap => (PreemptionMode::Swap, "cost"),
+                // the host pool being short is what made recompute "cheaper"
+                PreemptionMode::Recompute if cost.swap_s.is_none() && cost.num_blocks_to_move > 0 => {
+                    (PreemptionMode::Recompute, "host_full")
+                }
+                PreemptionMode::Recompute => (PreemptionMode::Recompute, "cost"),
+            },
+        };
+        let free_before = self.kv.num_free();
+        let r = self.reqs[slot as usize].as_mut().expect("running slot is live");
+        r.num_preemptions += 1;
+        self.num_running_seqs -= r.num_pending_forks as usize;
+        match mode {
+            PreemptionMode::Recompute => {
+                self.kv.free(slot);
+                r.num_computed_tokens = 0;
+                r.num_cached_blocks = 0;
+                r.status = RequestStatus::Waiting;
+                self.counters.num_preemptions_recompute += 1;
+                self.counters.num_tokens_recomputed += cost.num_tokens_to_recompute as u64;
+                if reason == "host_full" {
+                    self.counters.num_swap_fallbacks += 1;
+                }
+                self.enqueue_waiting(slot);
+            }
+            PreemptionMode::Swap => {
+                self.kv.truncate(slot, cost.num_blocks_to_move); // blocks not yet computed
+                self.kv.swap_out(slot, &mut plan.swap_out).expect("restore_cost saw host room");
+                r.status = RequestStatus::Swapped;
+                self.counters.num_preemptions_swap += 1;
+                self.counters.num_blocks_swapped_out += cost.num_blocks_to_move as u64;
+                self.enqueue_swapped(slot);
+            }
+        }
+        let r = self.req(slot);
+        plan.preempted.push(r.req_id as i64);
+        let swap = mode == PreemptionMode::Swap;
+        self.events.push(PreemptionEvent {
+            step: self.step,
+            req_id: r.req_id,
+            seq_index: r.seq_index,
+            mode,
+            reason,
+            for_req_id,
+            num_blocks_freed: self.kv.num_free() - free_before,
+            bytes_to_move: if swap { (cost.num_blocks_to_move as f64 * self.cfg.bytes_per_block) as u64 } else { 0 },
+            num_tokens_to_recompute: if swap { 0 } else { cost.num_tokens_to_recompute },
+            swap_cost_s: cost.swap_s.unwrap_or(f64::INFINITY),
+            recompute_cost_s: cost.recompute_s,
+            token_budget_left: plan.budget,
+            num_free_device_blocks: self.kv.num_free(),
+            num_free_host_blocks: self.kv.num_free_host(),
+            num_preemptions: r.num_preemptions,
+        });
+        self.counters.num_events += 1;
+    }
+}

@@ -1,0 +1,140 @@
+//! Prefix cache: full device blocks keyed by a hash of (parent block's hash, the block's tokens).
+//!
+//! A block is registered once all its tokens are computed (in `update`, after the forward wrote
+//! its KV), so a hit never reads KV that is not there yet. A freed block keeps its hash and stays
+//! in the cache until the pool hands it out again (`evict`), which is what lets a finished or
+//! recompute-preempted request's prefix be hit again.
+//!
+//! Hashes are 128-bit xxh3, chained through the parent, so two blocks with the same tokens after
+//! different prefixes differ; a false hit needs a 128-bit collision. When two requests compute
+//! the same block at once, the first registered keeps the entry; the other block stays private.
+//!
+//! Invariant: `hash_to_block[h] == b` implies `block_hash[b] == h`.
+
+use rustc_hash::FxHashMap;
+use xxhash_rust::xxh3::xxh3_128_with_seed;
+
+const NO_HASH: u128 = 0;
+
+/// Hash-to-block map of the device pool plus each block's current hash.
+#[derive(Debug, Clone)]
+pub struct PrefixCache {
+    block_hash: Vec<u128>,
+    hash_to_block: FxHashMap<u128, u32>,
+    scratch: Vec<u8>,
+}
+
+/// Hashes of the full blocks of `token_ids` not yet in `hashes`, appended in block order.
+pub fn extend_block_hashes(hashes: &mut Vec<u128>, token_ids: &[u32], block_size: usize, scratch: &mut Vec<u8>) {
+    let num_full = token_ids.len() / block_size;
+    while hashes.len() < num_full {
+        let i = hashes.len();
+        let parent = if i == 0 { NO_HASH } else { hashes[i - 1] };
+        scratch.clear();
+        scratch.extend_from_slice(&parent.to_le_bytes());
+        for t in &token_ids[i * block_size..(i + 1) * block_size] {
+            scratch.extend_from_slice(&t.to_le_bytes());
+        }
+        let h = xxh3_128_with_seed(scratch, 0x6665_7272_796d_616e); // "ferryman"
+        hashes.push(if h == NO_HASH { 1 } else { h });
+    }
+}
+
+impl PrefixCache {
+    /// An empty cache over a pool of `num_blocks` blocks.
+    pub fn new(num_blocks: usize) -> Self {
+        Self { block_hash: vec![NO_HASH; num_blocks], hash_to_block: FxHashMap::default(), scratch: Vec::new() }
+    }
+
+    /// The block holding content `hash`, if any.
+    #[inline]
+    pub fn lookup(&self, hash: u128) -> Option<u32> {
+        self.hash_to_block.get(&hash).copied()
+    }
+
+    /// Whether `block` holds registered content (worth keeping when freed).
+    #[inline]
+    pub fn is_cached(&self, block: u32) -> bool {
+        self.block_hash[block as usize] != NO_HASH
+    }
+
+    /// Registers `block` as holding `hash` unless that content is already cached elsewhere.
+    #[inline]
+    pub fn insert(&mut self, block: u32, hash: u128) {
+        if self.block_hash[block as usize] != NO_HASH {
+            return;
+        }
+        if let std::collections::hash_map::Entry::Vacant(e) = self.hash_to_block.entry(hash) {
+            e.insert(block);
+            self.block_hash[block as usize] = hash;
+        }
+    }
+
+    /// Forgets what `block` held; called when the pool hands it out again.
+    #[inline]
+    pub fn evict(&mut self, block: u32) {
+        let h = std::mem::replace(&mut self.block_hash[block as usize], NO_HASH);
+        if h != NO_HASH {
+            self.hash_to_block.remove(&h);
+        }
+    }
+
+    /// Number of cached blocks.
+    pub fn len(&self) -> usize {
+        self.hash_to_block.len()
+    }
+
+    /// True when nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.hash_to_block.is_empty()
+    }
+
+    /// Computes missing block hashes of `token_ids` into `hashes` (see `extend_block_hashes`).
+    pub fn hash_blocks(&mut self, hashes: &mut Vec<u128>, token_ids: &[u32], block_size: usize) {
+        extend_block_hashes(hashes, token_ids, block_size, &mut self.scratch);
+    }
+
+    /// Checks map/array agreement (`check_invariants`).
+    pub fn check(&self) -> Result<(), String> {
+        for (&h, &b) in &self.hash_to_block {
+            if self.block_hash[b as usize] != h {
+                return Err(format!("prefix cache maps a hash to block {b}, which holds another"));
+            }
+        }
+        let n = self.block_hash.iter().filter(|&&h| h != NO_HASH).count();
+        if n != self.hash_to_block.len() {
+            return Err(format!("{n} blocks carry a hash but the map has {}", self.hash_to_block.len()));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hashes_chain_through_the_parent() {
+        let mut s = Vec::new();
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        extend_block_hashes(&mut a, &[1, 2, 3, 4, 5], 2, &mut s);
+        extend_block_hashes(&mut b, &[9, 9, 3, 4], 2, &mut s);
+        assert_eq!(a.len(), 2); // the partial block [5] is not hashed
+        assert_ne!(a[1], b[1]); // same tokens [3, 4], different parent
+        let mut c = vec![a[0]];
+        extend_block_hashes(&mut c, &[1, 2, 3, 4], 2, &mut s);
+        assert_eq!(c, a);
+    }
+
+    #[test]
+    fn first_registration_wins_and_evict_forgets() {
+        let mut pc = PrefixCache::new(4);
+        pc.insert(1, 77);
+        pc.insert(2, 77);
+        assert_eq!(pc.lookup(77), Some(1));
+        assert!(!pc.is_cached(2));
+        pc.evict(1);
+        assert_eq!(pc.lookup(77), None);
+        pc.check().unwrap();
+    }
+}

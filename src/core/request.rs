@@ -1,0 +1,168 @@
+//! `Request`: one sequence of tokens the scheduler drives from arrival to finish.
+//!
+//! A request with `n > 1` (parallel sampling) is admitted as one request; when its prompt is
+//! computed it is forked into `n` requests that share `req_id` (told apart by `seq_index`) and
+//! share the prompt's blocks by reference count. After the fork each runs, is preempted and
+//! finishes on its own. The KV cache manager, not the request, owns the block table.
+//!
+//! Invariant: `num_computed_tokens <= token_ids.len()`; `token_ids` starts with the prompt.
+
+/// Where a request is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestStatus {
+    Waiting,
+    Running,
+    Swapped,
+    FinishedStopped,
+    FinishedLengthCapped,
+    FinishedAborted,
+}
+
+/// Why a request finished, as OpenAI names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS, a stop token id, or a stop string found by Python.
+    Stop,
+    /// `max_tokens` or `max_model_len` reached.
+    Length,
+    /// Aborted by the caller.
+    Abort,
+}
+
+impl FinishReason {
+    /// "stop" | "length" | "abort".
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+            Self::Abort => "abort",
+        }
+    }
+    /// The status a request finished for this reason ends in.
+    pub fn status(self) -> RequestStatus {
+        match self {
+            Self::Stop => RequestStatus::FinishedStopped,
+            Self::Length => RequestStatus::FinishedLengthCapped,
+            Self::Abort => RequestStatus::FinishedAborted,
+        }
+    }
+}
+
+/// Stop conditions checked in Rust after every sampled token.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StopParams {
+    /// Output tokens at most.
+    pub max_tokens: usize,
+    /// Finish with "stop" on this token unless `ignore_eos`.
+    pub eos_token_id: Option<u32>,
+    /// Finish with "stop" on any of these.
+    pub stop_token_ids: Vec<u32>,
+    /// Do not stop on `eos_token_id`.
+    pub ignore_eos: bool,
+}
+
+/// One sequence under the scheduler's control.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// The caller's id; shared by the forks of a parallel-sampling request.
+    pub req_id: u64,
+    /// Which of the `n` forks this is (0 for `n == 1`).
+    pub seq_index: u32,
+    /// Arrival order (monotonic); ties in every policy break on it.
+    pub arrival: u64,
+    /// Lower is more important (vLLM's convention); used by policy "priority".
+    pub priority: i32,
+    /// Prompt followed by generated tokens.
+    pub token_ids: Vec<u32>,
+    /// Length of the prompt at the front of `token_ids`.
+    pub num_prompt_tokens: usize,
+    /// Tokens whose KV is in this request's blocks.
+    pub num_computed_tokens: usize,
+    /// Stop conditions.
+    pub stop: StopParams,
+    /// Forks still to make when the prompt completes (n for an unforked parent, else 1).
+    pub num_pending_forks: u32,
+    /// Where the request is.
+    pub status: RequestStatus,
+    /// Times this request was preempted; each raises its precedence.
+    pub num_preemptions: u32,
+    /// Prefix hashes of this request's full blocks, computed once, in block order.
+    pub block_hashes: Vec<u128>,
+    /// Leading blocks already registered in (or hit from) the prefix cache.
+    pub num_cached_blocks: usize,
+}
+
+impl Request {
+    /// Tokens known so far (prompt + output).
+    #[inline]
+    pub fn num_tokens(&self) -> usize {
+        self.token_ids.len()
+    }
+
+    /// Generated tokens so far.
+    #[inline]
+    pub fn num_output_tokens(&self) -> usize {
+        self.token_ids.len() - self.num_prompt_tokens
+    }
+
+    /// Longest this request can become.
+    #[inline]
+    pub fn max_len(&self) -> usize {
+        self.num_prompt_tokens + self.stop.max_tokens
+    }
+
+    /// Appends a sampled token and says whether (and why) the request is now finished.
+    pub fn append_token(&mut self, token: u32, max_model_len: usize) -> Option<FinishReason> {
+        self.token_ids.push(token);
+        let s = &self.stop;
+        if (!s.ignore_eos && s.eos_token_id == Some(token)) || s.stop_token_ids.contains(&token) {
+            Some(FinishReason::Stop)
+        } else if self.num_output_tokens() >= s.max_tokens || self.num_tokens() >= max_model_len {
+            Some(FinishReason::Length)
+        } else {
+            None
+        }
+    }
+
+    /// True while the request is waiting, running or swapped.
+    #[inline]
+    pub fn is_live(&self) -> bool {
+        matches!(self.status, RequestStatus::Waiting | RequestStatus::Running | RequestStatus::Swapped)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(max_tokens: usize) -> Request {
+        Request {
+            req_id: 1,
+            seq_index: 0,
+            arrival: 0,
+            priority: 0,
+            token_ids: vec![5, 6, 7],
+            num_prompt_tokens: 3,
+            num_computed_tokens: 0,
+            stop: StopParams { max_tokens, eos_token_id: Some(2), stop_token_ids: vec![9], ignore_eos: false },
+            num_pending_forks: 1,
+            status: RequestStatus::Running,
+            num_preemptions: 0,
+            block_hashes: vec![],
+            num_cached_blocks: 0,
+        }
+    }
+
+    #[test]
+    fn stops_on_eos_stop_token_max_tokens_and_max_model_len() {
+        assert_eq!(req(4).append_token(2, 100), Some(FinishReason::Stop));
+        assert_eq!(req(4).append_token(9, 100), Some(FinishReason::Stop));
+        let mut r = req(2);
+        assert_eq!(r.append_token(4, 100), None);
+        assert_eq!(r.append_token(4, 100), Some(FinishReason::Length));
+        assert_eq!(req(10).append_token(4, 4), Some(FinishReason::Length));
+        let mut r = req(4);
+        r.stop.ignore_eos = true;
+        assert_eq!(r.append_token(2, 100), None);
+    }
+}

@@ -1,0 +1,101 @@
+//! Swapping on `KvCacheManager`: moving a request's blocks to the host pool and back.
+//!
+//! `swap_out` gives the request a host block for each device block, emits (device, host) pairs
+//! for `blocks_to_swap_out`, and drops its device references (a block shared with a fork stays
+//! on the device for it; cached content stays hittable). `swap_in` does the reverse into fresh
+//! device blocks. Both are all-or-nothing and return `None` when the target pool is short.
+//!
+//! Ordering contract with Python: in one step the plans run swap-out, then swap-in, then copy,
+//! all before the forward. The scheduler never swaps in during a step that swapped out, so a
+//! block freed by one plan is never the target of the other in the same step.
+
+use crate::kv_cache_manager::KvCacheManager;
+
+impl KvCacheManager {
+    /// Moves the slot's device table to host blocks, appending (device, host) pairs to `plan`.
+    /// Returns the device blocks freed, or `None` (nothing changed) if the host pool is short.
+    pub fn swap_out(&mut self, slot: u32, plan: &mut Vec<[i32; 2]>) -> Option<usize> {
+        let s = slot as usize;
+        debug_assert!(self.host_tables[s].is_empty());
+        if self.host.num_free() < self.tables[s].len() {
+            return None;
+        }
+        let mut host_table = std::mem::take(&mut self.host_tables[s]);
+        for &d in &self.tables[s] {
+            let h = self.host.allocate().expect("counted above");
+            host_table.push(h);
+            plan.push([d as i32, h as i32]);
+        }
+        self.host_tables[s] = host_table;
+        Some(self.free(slot))
+    }
+
+    /// Brings the slot's host table back into fresh device blocks, appending (host, device)
+    /// pairs to `plan`. `None` (nothing changed) if the device pool is short.
+    pub fn swap_in(&mut self, slot: u32, plan: &mut Vec<[i32; 2]>) -> Option<()> {
+        let s = slot as usize;
+        debug_assert!(self.tables[s].is_empty());
+        if self.device.num_free() < self.host_tables[s].len() {
+            return None;
+        }
+        let host_table = std::mem::take(&mut self.host_tables[s]);
+        let mut table = std::mem::take(&mut self.tables[s]);
+        for &h in &host_table {
+            let d = self.allocate_block().expect("counted above");
+            table.push(d);
+            plan.push([h as i32, d as i32]);
+            self.host.free(h, false);
+        }
+        self.tables[s] = table;
+        let mut host_table = host_table;
+        host_table.clear();
+        self.host_tables[s] = host_table;
+        Some(())
+    }
+
+    /// Drops a swapped slot's host blocks (abort while swapped).
+    pub fn free_host(&mut self, slot: u32) {
+        let s = slot as usize;
+        for &h in &self.host_tables[s] {
+            self.host.free(h, false);
+        }
+        self.host_tables[s].clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::kv_cache_manager::KvCacheManager;
+
+    #[test]
+    fn round_trip_moves_every_block_and_frees_both_sides() {
+        let mut kv = KvCacheManager::new(4, 4, 3, false);
+        kv.ensure_slot(1);
+        kv.admit(0, &[], 0, 3).unwrap();
+        let mut out = Vec::new();
+        assert_eq!(kv.swap_out(0, &mut out), Some(3));
+        assert_eq!(out, vec![[1, 1], [2, 2], [3, 3]]);
+        assert_eq!((kv.num_free(), kv.num_free_host()), (4, 0));
+        assert!(kv.table(0).is_empty());
+        // another request takes two device blocks meanwhile
+        kv.admit(1, &[], 0, 2).unwrap();
+        let mut back = Vec::new();
+        assert_eq!(kv.swap_in(0, &mut back), None); // 2 free < 3 needed
+        kv.free(1);
+        assert_eq!(kv.swap_in(0, &mut back), Some(()));
+        assert_eq!(back.len(), 3);
+        assert_eq!(back.iter().map(|p| p[0]).collect::<Vec<_>>(), vec![1, 2, 3]);
+        assert_eq!(kv.num_free_host(), 3);
+    }
+
+    #[test]
+    fn swap_out_is_refused_when_the_host_pool_is_short() {
+        let mut kv = KvCacheManager::new(4, 4, 1, false);
+        kv.ensure_slot(0);
+        kv.admit(0, &[], 0, 2).unwrap();
+        let mut out = Vec::new();
+        assert_eq!(kv.swap_out(0, &mut out), None);
+        assert!(out.is_empty());
+        assert_eq!(kv.table(0).len(), 2);
+    }
+}

@@ -1,0 +1,313 @@
+//! Randomized invariant test: random configs and random operations (add, step, abort, finish)
+//! with a tiny vocabulary so prefixes are shared, `check_invariants()` after every operation,
+//! and a simulated KV store that runs the swap/copy plans and checks, at every step, that each
+//! row reads back exactly the KV of its own tokens at every position. Then every request must
+//! finish and every block must be free.
+//!
+//! `FERRYMAN_RANDOM_OPS` sets the number of operations (default 100,000).
+
+use std::collections::HashMap;
+
+use ferryman_core::{
+    FinishReason, Policy, PreemptionModeConfig, RequestParams, Scheduler, SchedulerConfig, SchedulerOutput,
+};
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + self.below((hi - lo + 1) as u64) as usize
+    }
+    fn chance(&mut self, p: f64) -> bool {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64 <= p
+    }
+}
+
+fn mix(h: u64, t: u32) -> u64 {
+    let mut z = h ^ (t as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 29)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z ^ (z >> 32)
+}
+
+/// What the test knows about one sequence: its tokens and the KV content of each position
+/// (a hash of the tokens up to it: KV depends on the whole prefix).
+#[derive(Clone)]
+struct Seq {
+    tokens: Vec<u32>,
+    content: Vec<u64>,
+    num_prompt: usize,
+    params: RequestParams,
+}
+
+impl Seq {
+    fn push(&mut self, t: u32) {
+        let prev = self.content.last().copied().unwrap_or(7);
+        self.tokens.push(t);
+        self.content.push(mix(prev, t));
+    }
+}
+
+struct Harness {
+    s: Scheduler,
+    cfg: SchedulerConfig,
+    seqs: HashMap<(i64, i32), Seq>,
+    device: Vec<u64>,
+    host: Vec<u64>,
+    next_id: u64,
+    ops: usize,
+}
+
+const VOCAB: u64 = 3;
+
+impl Harness {
+    fn new(cfg: SchedulerConfig) -> Self {
+        let bs = cfg.block_size;
+        Self {
+            s: Scheduler::new(cfg.clone()).unwrap(),
+            device: vec![0; (cfg.num_device_blocks + 1) * bs],
+            host: vec![0; (cfg.num_host_blocks + 1) * bs],
+            cfg,
+            seqs: HashMap::new(),
+            next_id: 0,
+            ops: 0,
+        }
+    }
+
+    fn check(&mut self) {
+        self.ops += 1;
+        if let Err(e) = self.s.check_invariants() {
+            panic!("after op {}: {e}", self.ops);
+        }
+    }
+
+    fn add(&mut self, rng: &mut Rng) {
+        let len = rng.range(1, 3 * self.cfg.block_size + 3);
+        let prompt: Vec<u32> = (0..len).map(|_| 1 + rng.below(VOCAB) as u32).collect();
+        let params = RequestParams {
+            max_tokens: rng.range(1, 12),
+            priority: rng.below(3) as i32,
+            eos_token_id: rng.chance(0.3).then_some(1),
+            stop_token_ids: if rng.chance(0.2) { vec![2] } else { vec![] },
+            ignore_eos: rng.chance(0.2),
+            n: if rng.chance(0.2) { rng.range(2, 3) as u32 } else { 1 },
+        };
+        let id = self.next_id;
+        self.next_id += 1;
+        match self.s.add_request(id, prompt.clone(), params.clone()) {
+            Ok(()) => {
+                let mut seq = Seq { tokens: vec![], content: vec![], num_prompt: len, params };
+                for t in prompt {
+                    seq.push(t);
+                }
+                self.seqs.insert((id as i64, 0), seq);
+            }
+            Err(_) => {
+                // rejected as infeasible: it must really be infeasible
+                let total = len + params.max_tokens;
+                assert!(
+                    total > self.cfg.max_model_len
+                        || self.cfg.blocks_for(total) > self.cfg.num_device_blocks
+                        || params.n as usize > self.cfg.max_num_seqs
+                );
+            }
+        }
+        self.check();
+    }
+
+    fn fake_token(req: i64, k: i32, pos: usize) -> u32 {
+        (mix(mix(req as u64, k as u32), pos as u32) % (VOCAB + 1)) as u32
+    }
+
+    /// Runs the plans on the simulated KV, writes this step's tokens, and checks every row reads
+    /// back its own KV.
+    fn run_forward(&mut self, o: &SchedulerOutput) {
+        let bs = self.cfg.block_size;
+        for &[d, h] in &o.blocks_to_swap_out {
+            let (d, h) = (d as usize * bs, h as usize * bs);
+            self.host[h..h + bs].copy_from_slice(&self.device[d..d + bs]);
+        }
+        for &[h, d] in &o.blocks_to_swap_in {
+            let (d, h) = (d as usize * bs, h as usize * bs);
+            self.device[d..d + bs].copy_from_slice(&self.host[h..h + bs]);
+        }
+        for &[src, dst] in &o.blocks_to_copy {
+            let (src, dst) = (src as usize * bs, dst as usize * bs);
+            self.device.copy_within(src..src + bs, dst);
+        }
+        assert!(o.input_ids.len() <= self.cfg.max_num_batched_tokens);
+        assert_eq!(*o.qo_indptr.last().unwrap() as usize, o.input_ids.len());
+        assert_eq!(*o.kv_indptr.last().unwrap() as usize, o.kv_indices.len());
+        for b in 0..o.req_ids.len() {
+            let seq = &self.seqs[&(o.req_ids[b], o.seq_indices[b])];
+            for i in o.qo_indptr[b] as usize..o.qo_indptr[b + 1] as usize {
+                let p = o.positions[i] as usize;
+                assert_eq!(o.input_ids[i] as u32, seq.tokens[p], "wrong input token");
+                self.device[o.slot_mapping[i] as usize] = seq.content[p];
+            }
+        }
+        for b in 0..o.req_ids.len() {
+            let seq = &self.seqs[&(o.req_ids[b], o.seq_indices[b])];
+            let table = &o.kv_indices[o.kv_indptr[b] as usize..o.kv_indptr[b + 1] as usize];
+            let len = o.seq_lens[b] as usize;
+            assert_eq!(table.len(), len.div_ceil(bs));
+            assert_eq!(o.kv_last_page_len[b] as usize, len - (table.len() - 1) * bs);
+            for p in 0..len {
+                let slot = table[p / bs] as usize * bs + p % bs;
+                assert_eq!(self.device[slot], seq.content[p], "row {b} reads wrong KV at position {p}");
+            }
+        }
+    }
+
+    fn step(&mut self, rng: &mut Rng) {
+        let o = self.s.schedule().unwrap();
+        self.check();
+        self.run_forward(&o);
+        // an abort can land between schedule() and update()
+        if rng.chance(0.02) {
+            if let Some(&(r, _)) = self.seqs.keys().next() {
+                self.abort(r);
+                self.check();
+            }
+        }
+        let bases: Vec<Seq> = o
+            .sample_req_ids
+            .iter()
+            .zip(&o.sample_seq_indices)
+            .map(|(&r, &k)| {
+                self.seqs.get(&(r, k)).or_else(|| self.seqs.get(&(r, 0))).cloned().unwrap_or_else(|| Seq {
+                    tokens: vec![],
+                    content: vec![],
+                    num_prompt: 0,
+                    params: RequestParams::default(),
+                })
+            })
+            .collect();
+        let sampled: Vec<i32> = o
+            .sample_req_ids
+            .iter()
+            .zip(&o.sample_seq_indices)
+            .zip(&bases)
+            .map(|((&r, &k), b)| Self::fake_token(r, k, b.tokens.len()) as i32)
+            .collect();
+        let res = self.s.update(&sampled).unwrap();
+        self.check();
+        for (i, base) in bases.into_iter().enumerate() {
+            let key = (res.req_ids[i], res.seq_indices[i]);
+            if res.finish_reasons[i] == Some(FinishReason::Abort) {
+                continue;
+            }
+            let mut seq = base;
+            seq.push(res.new_token_ids[i] as u32);
+            let t = *seq.tokens.last().unwrap();
+            let p = &seq.params;
+            let outputs = seq.tokens.len() - seq.num_prompt;
+            let want = if (!p.ignore_eos && p.eos_token_id == Some(t)) || p.stop_token_ids.contains(&t) {
+                Some(FinishReason::Stop)
+            } else if outputs >= p.max_tokens || seq.tokens.len() >= self.cfg.max_model_len {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            assert_eq!(res.finish_reasons[i], want, "finish of {key:?} after {outputs} outputs");
+            if want.is_some() {
+                self.seqs.remove(&key);
+            } else {
+                self.seqs.insert(key, seq);
+            }
+        }
+    }
+
+    fn abort(&mut self, req: i64) {
+        assert!(self.s.abort_request(req as u64));
+        self.seqs.retain(|&(r, _), _| r != req);
+    }
+
+    fn drain(&mut self, rng: &mut Rng) {
+        let mut steps = 0;
+        while self.s.has_unfinished_requests() {
+            self.step(rng);
+            steps += 1;
+            assert!(steps < 20_000, "no progress: a request never finishes");
+        }
+        let cur = self.s.current();
+        assert_eq!(cur.num_free_device_blocks, self.cfg.num_device_blocks, "device blocks leaked");
+        assert_eq!(cur.num_free_host_blocks, self.cfg.num_host_blocks, "host blocks leaked");
+        let c = *self.s.counters();
+        assert_eq!(c.num_events, c.num_preemptions_recompute + c.num_preemptions_swap);
+        self.seqs.clear();
+    }
+}
+
+fn random_config(rng: &mut Rng) -> SchedulerConfig {
+    let block_size = [1, 2, 4][rng.below(3) as usize];
+    let chunked = rng.chance(0.8);
+    let max_model_len = rng.range(8, 40);
+    let budget = if chunked { rng.range(2, 48) } else { rng.range(max_model_len, 64) };
+    SchedulerConfig {
+        block_size,
+        num_device_blocks: rng.range(max_model_len.div_ceil(block_size) / 2 + 1, 40),
+        num_host_blocks: [0, 4, 16, 64][rng.below(4) as usize],
+        max_num_batched_tokens: budget,
+        max_num_seqs: rng.range(1, 6),
+        max_model_len,
+        enable_chunked_prefill: chunked,
+        enable_prefix_caching: rng.chance(0.8),
+        preemption_mode: [PreemptionModeConfig::Recompute, PreemptionModeConfig::Swap, PreemptionModeConfig::Auto]
+            [rng.below(3) as usize],
+        policy: if rng.chance(0.5) { Policy::Fcfs } else { Policy::Priority },
+        watermark: if rng.chance(0.5) { 0.0 } else { 0.1 },
+        bytes_per_block: [1e3, 1e6, 1e9][rng.below(3) as usize],
+        host_link_bytes_per_s: 1e9,
+        prefill_tokens_per_s: 1e4,
+    }
+}
+
+#[test]
+fn random_operations_keep_every_invariant() {
+    let target: usize = std::env::var("FERRYMAN_RANDOM_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(100_000);
+    let mut total = 0;
+    let mut seed = 0u64;
+    let mut preemptions = [0u64; 2];
+    while total < target {
+        let mut rng = Rng(seed);
+        seed += 1;
+        let cfg = random_config(&mut rng);
+        let mut h = Harness::new(cfg);
+        for _ in 0..rng.range(50, 400) {
+            match rng.below(10) {
+                0..=2 => h.add(&mut rng),
+                3..=8 => h.step(&mut rng),
+                _ => {
+                    if let Some(&(r, k)) = h.seqs.keys().next() {
+                        if rng.chance(0.5) {
+                            h.abort(r);
+                        } else {
+                            h.s.finish_request(r as u64, FinishReason::Stop, Some(k as u32)).unwrap();
+                            h.seqs.remove(&(r, k));
+                        }
+                        h.check();
+                    }
+                }
+            }
+        }
+        h.drain(&mut rng);
+        let c = h.s.counters();
+        preemptions[0] += c.num_preemptions_recompute;
+        preemptions[1] += c.num_preemptions_swap;
+        total += h.ops;
+    }
+    println!(
+        "{total} operations over {seed} configs; preemptions recompute={} swap={}",
+        preemptions[0], preemptions[1]
+    );
+    assert!(preemptions[0] > 0 && preemptions[1] > 0, "the workloads must exercise both modes");
+}

@@ -1,0 +1,302 @@
+//! Exact-plan tests of the scheduler on tiny pools: block ids, queues, plans and events.
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::{add, cfg, fake_token, params, step};
+use ferryman_core::{
+    CoreError, FinishReason, Policy, PreemptionMode, PreemptionModeConfig, RequestParams, RequestStatus, Scheduler,
+};
+
+type Lens = HashMap<(i64, i32), usize>;
+
+#[test]
+fn one_request_from_prefill_to_length_finish() {
+    let mut s = Scheduler::new(cfg(4, 4, 0)).unwrap();
+    let mut lens = Lens::new();
+    add(&mut s, &mut lens, 1, vec![10, 11, 12, 13, 14], params(3));
+
+    let (o, r) = step(&mut s, &mut lens);
+    assert_eq!(o.req_ids, vec![1]);
+    assert_eq!(o.input_ids, vec![10, 11, 12, 13, 14]);
+    assert_eq!(o.positions, vec![0, 1, 2, 3, 4]);
+    assert_eq!(o.qo_indptr, vec![0, 5]);
+    assert_eq!(o.seq_lens, vec![5]);
+    assert_eq!((o.kv_indptr, o.kv_indices, o.kv_last_page_len), (vec![0, 2], vec![1, 2], vec![1]));
+    assert_eq!(o.slot_mapping, vec![4, 5, 6, 7, 8]);
+    assert_eq!(o.logits_indices, vec![4]);
+    assert_eq!(o.sample_req_ids, vec![1]);
+    assert_eq!(r.new_token_ids, vec![fake_token(1, 0, 5)]);
+    assert_eq!(r.finish_reasons, vec![None]);
+
+    let (o, _) = step(&mut s, &mut lens);
+    assert_eq!((o.input_ids, o.positions, o.slot_mapping), (vec![fake_token(1, 0, 5)], vec![5], vec![9]));
+    assert_eq!((o.seq_lens, o.kv_indices, o.kv_last_page_len), (vec![6], vec![1, 2], vec![2]));
+
+    let (o, r) = step(&mut s, &mut lens);
+    assert_eq!(o.slot_mapping, vec![10]);
+    assert_eq!(r.finish_reasons, vec![Some(FinishReason::Length)]);
+    assert!(!s.has_unfinished_requests());
+    // block 2 (partial, uncached) is reused first; block 1 (cached prefix) is kept longest
+    assert_eq!(s.device_free_list(), vec![2, 3, 4, 1]);
+
+    let o = s.schedule().unwrap();
+    assert_eq!(o.finished_req_ids, vec![1]);
+    assert!(o.req_ids.is_empty() && o.logits_indices.is_empty());
+    s.update(&[]).unwrap();
+}
+
+#[test]
+fn stop_token_and_eos_finish_with_stop() {
+    let mut s = Scheduler::new(cfg(4, 8, 0)).unwrap();
+    let eos = fake_token(1, 0, 2) as u32;
+    let p = RequestParams { eos_token_id: Some(eos), ..params(10) };
+    s.add_request(1, vec![1, 2], p.clone()).unwrap();
+    s.add_request(2, vec![1, 2], RequestParams { ignore_eos: true, stop_token_ids: vec![], ..p }).unwrap();
+    s.schedule().unwrap();
+    let r = s.update(&[eos as i32, eos as i32]).unwrap();
+    assert_eq!(r.finish_reasons, vec![Some(FinishReason::Stop), None]);
+}
+
+#[test]
+fn chunked_prefill_splits_a_long_prompt_and_mixes_it_with_decodes() {
+    let mut c = cfg(4, 16, 0);
+    c.max_num_batched_tokens = 4;
+    let mut s = Scheduler::new(c).unwrap();
+    let mut lens = Lens::new();
+    add(&mut s, &mut lens, 1, vec![1, 2], params(8));
+    add(&mut s, &mut lens, 2, (20..30).collect(), params(2));
+    // step 0: request 1's prompt (2) + the first 2 tokens of request 2
+    let (o, _) = step(&mut s, &mut lens);
+    assert_eq!(o.req_ids, vec![1, 2]);
+    assert_eq!(o.qo_indptr, vec![0, 2, 4]);
+    assert_eq!(o.logits_indices, vec![1]); // request 2's chunk is not final: nothing sampled
+    assert_eq!(o.stats.num_prefill_tokens, 4);
+    // the whole prompt's blocks were allocated at admission: [2, 3, 4]
+    assert_eq!(s.block_table(2, 0).unwrap(), vec![2, 3, 4]);
+    // step 1: decode of 1 + 3 more prompt tokens of 2
+    let (o, _) = step(&mut s, &mut lens);
+    assert_eq!(o.input_ids[1..], [22, 23, 24]);
+    assert_eq!(o.positions, vec![2, 2, 3, 4]);
+    assert_eq!(o.slot_mapping, vec![6, 10, 11, 12]);
+    assert_eq!(o.logits_indices, vec![0]);
+    // step 2: decode of 1 + 3 tokens of 2; step 3: decode + the last 2 prompt tokens, sampled
+    step(&mut s, &mut lens);
+    let (o, _) = step(&mut s, &mut lens);
+    assert_eq!(o.qo_indptr, vec![0, 1, 3]);
+    assert_eq!(o.logits_indices, vec![0, 2]);
+    assert!(o.stats.num_scheduled_tokens <= 4);
+}
+
+#[test]
+fn prefix_cache_hits_full_blocks_but_never_the_whole_prompt() {
+    let mut s = Scheduler::new(cfg(4, 8, 0)).unwrap();
+    let mut lens = Lens::new();
+    add(&mut s, &mut lens, 1, (1..=9).collect(), params(1));
+    step(&mut s, &mut lens);
+    assert!(!s.has_unfinished_requests());
+    assert_eq!(s.device_free_list(), vec![3, 4, 5, 6, 7, 8, 2, 1]);
+
+    let mut prompt: Vec<u32> = (1..=8).collect();
+    prompt.extend([50, 51]);
+    add(&mut s, &mut lens, 2, prompt, params(1));
+    let (o, _) = step(&mut s, &mut lens);
+    assert_eq!(o.input_ids, vec![50, 51]);
+    assert_eq!(o.positions, vec![8, 9]);
+    assert_eq!(o.kv_indices, vec![1, 2, 3]);
+    assert_eq!(o.slot_mapping, vec![12, 13]);
+
+    // an exact repeat of two full blocks: only the first is reused, 4 tokens are computed
+    add(&mut s, &mut lens, 3, (1..=8).collect(), params(1));
+    let (o, _) = step(&mut s, &mut lens);
+    assert_eq!(o.input_ids, vec![5, 6, 7, 8]);
+    assert_eq!(o.kv_indices[0], 1);
+    let c = s.counters();
+    assert_eq!((c.prefix_cache_queries, c.prefix_cache_hits), (9 + 10 + 8, 8 + 4));
+}
+
+/// Two requests of 3 prompt tokens in a pool of 4 blocks of 2: at the third step the first
+/// needs a block and the second is preempted.
+fn two_requests(mode: PreemptionModeConfig, host: usize) -> (Scheduler, Lens) {
+    let mut c = cfg(2, 4, host);
+    c.preemption_mode = mode;
+    let mut s = Scheduler::new(c).unwrap();
+    let mut lens = Lens::new();
+    add(&mut s, &mut lens, 1, vec![1, 2, 3], params(4));
+    add(&mut s, &mut lens, 2, vec![4, 5, 6], params(4));
+    let (o, _) = step(&mut s, &mut lens);
+    assert_eq!(o.kv_indices, vec![1, 2, 3, 4]);
+    step(&mut s, &mut lens);
+    (s, lens)
+}
+
+#[test]
+fn recompute_preemption_frees_the_latest_arrival_and_requeues_it_first() {
+    let (mut s, mut lens) = two_requests(PreemptionModeConfig::Recompute, 0);
+    let (o, _) = step(&mut s, &mut lens);
+    assert_eq!(o.preempted_req_ids, vec![2]);
+    assert_eq!(o.req_ids, vec![1]);
+    assert_eq!(o.kv_indices, vec![1, 2, 4]); // block 4 (tail of the victim) was reused first
+    assert!(o.blocks_to_swap_out.is_empty());
+    assert_eq!(s.request_status(2, 0), Some(RequestStatus::Waiting));
+    let ev = s.drain_events();
+    assert_eq!(ev.len(), 1);
+    let e = &ev[0];
+    assert_eq!((e.req_id, e.mode, e.reason, e.for_req_id), (2, PreemptionMode::Recompute, "config", 1));
+    assert_eq!((e.num_blocks_freed, e.num_tokens_to_recompute, e.bytes_to_move), (2, 4, 0));
+    assert_eq!((e.num_free_device_blocks, e.num_preemptions, e.token_budget_left), (2, 1, 64));
+
+    // step 3: request 1 finishes; request 2 does not fit yet (needs 4 blocks, 1 free)
+    let (o, r) = step(&mut s, &mut lens);
+    assert_eq!(o.req_ids, vec![1]);
+    assert_eq!(r.finish_reasons, vec![Some(FinishReason::Length)]);
+    // step 4: request 2 comes back, hitting its own first block (3) in the prefix cache
+    let (o, _) = step(&mut s, &mut lens);
+    assert_eq!(o.req_ids, vec![2]);
+    assert_eq!(o.positions, vec![2, 3, 4]);
+    assert_eq!(o.kv_indices, vec![3, 4, 2]);
+    assert_eq!(o.input_ids, vec![6, fake_token(2, 0, 3), fake_token(2, 0, 4)]);
+    while s.has_unfinished_requests() {
+        step(&mut s, &mut lens);
+    }
+    assert_eq!(lens[&(2, 0)], 7);
+    let c = s.counters();
+    assert_eq!((c.num_preemptions_recompute, c.num_preemptions_swap, c.num_events), (1, 0, 1));
+}
+
+#[test]
+fn swap_preemption_moves_blocks_out_and_back_in() {
+    let (mut s, mut lens) = two_requests(PreemptionModeConfig::Swap, 4);
+    let (o, _) = step(&mut s, &mut lens);
+    assert_eq!(o.preempted_req_ids, vec![2]);
+    assert_eq!(o.blocks_to_swap_out, vec![[3, 1], [4, 2]]);
+    assert_eq!(s.request_status(2, 0), Some(RequestStatus::Swapped));
+    let e = &s.drain_events()[0];
+    assert_eq!((e.mode, e.reason, e.num_tokens_to_recompute), (PreemptionMode::Swap, "config", 0));
+    assert_eq!(e.bytes_to_move, (2.0 * s.config().bytes_per_block) as u64);
+
+    let (o, _) = step(&mut s, &mut lens); // request 1 finishes; 2 cannot come back yet
+    assert!(o.blocks_to_swap_in.is_empty());
+    let (o, _) = step(&mut s, &mut lens);
+    assert_eq!(o.blocks_to_swap_in, vec![[1, 3], [2, 4]]);
+    assert_eq!(o.req_ids, vec![2]);
+    assert_eq!(o.positions, vec![4]); // it continues where it stopped: nothing recomputed
+    assert_eq!(o.kv_indices, vec![3, 4, 2]);
+    assert_eq!(o.input_ids, vec![fake_token(2, 0, 4)]);
+    assert_eq!(s.current().num_free_host_blocks, 4);
+    while s.has_unfinished_requests() {
+        step(&mut s, &mut lens);
+    }
+    assert_eq!(lens[&(2, 0)], 7);
+}
+
+#[test]
+fn swap_falls_back_to_recompute_when_the_host_pool_is_short() {
+    let (mut s, mut lens) = two_requests(PreemptionModeConfig::Swap, 1);
+    let (o, _) = step(&mut s, &mut lens);
+    assert!(o.blocks_to_swap_out.is_empty());
+    let e = &s.drain_events()[0];
+    assert_eq!((e.mode, e.reason), (PreemptionMode::Recompute, "host_full"));
+    assert_eq!(s.counters().num_swap_fallbacks, 1);
+    assert_eq!(s.request_status(2, 0), Some(RequestStatus::Waiting));
+}
+
+#[test]
+fn auto_picks_the_cheaper_restore_per_victim() {
+    for (bytes_per_block, want) in [(1e3, PreemptionMode::Swap), (1e12, PreemptionMode::Recompute)] {
+        let mut c = cfg(2, 4, 4);
+        c.preemption_mode = PreemptionModeConfig::Auto;
+        c.bytes_per_block = bytes_per_block;
+        let mut s = Scheduler::new(c).unwrap();
+        let mut lens = Lens::new();
+        add(&mut s, &mut lens, 1, vec![1, 2, 3], params(4));
+        add(&mut s, &mut lens, 2, vec![4, 5, 6], params(4));
+        for _ in 0..3 {
+            step(&mut s, &mut lens);
+        }
+        let e = &s.drain_events()[0];
+        assert_eq!((e.mode, e.reason), (want, "cost"));
+        assert!(e.swap_cost_s.is_finite() && e.recompute_cost_s > 0.0);
+        while s.has_unfinished_requests() {
+            step(&mut s, &mut lens);
+        }
+    }
+}
+
+#[test]
+fn priority_policy_preempts_the_least_important_not_the_latest() {
+    let mut c = cfg(2, 4, 0);
+    c.policy = Policy::Priority;
+    let mut s = Scheduler::new(c).unwrap();
+    let mut lens = Lens::new();
+    add(&mut s, &mut lens, 1, vec![1, 2, 3], RequestParams { priority: 5, ..params(4) });
+    add(&mut s, &mut lens, 2, vec![4, 5, 6], RequestParams { priority: 0, ..params(4) });
+    for _ in 0..3 {
+        step(&mut s, &mut lens);
+    }
+    // request 2 is admitted first (more important), runs first, and its growth preempts 1
+    let e = &s.drain_events()[0];
+    assert_eq!((e.req_id, e.for_req_id), (1, 2));
+    assert_eq!(s.request_status(1, 0), Some(RequestStatus::Waiting));
+}
+
+#[test]
+fn parallel_sampling_shares_the_prompt_and_copies_on_write() {
+    let mut s = Scheduler::new(cfg(4, 8, 0)).unwrap();
+    let mut lens = Lens::new();
+    add(&mut s, &mut lens, 7, vec![1, 2, 3, 4, 5, 6], RequestParams { n: 2, ..params(2) });
+    let (o, r) = step(&mut s, &mut lens);
+    assert_eq!(o.logits_indices, vec![5, 5]);
+    assert_eq!(o.sample_seq_indices, vec![0, 1]);
+    assert_eq!(r.seq_indices, vec![0, 1]);
+    assert_eq!(s.block_table(7, 0).unwrap(), vec![1, 2]);
+    assert_eq!(s.block_table(7, 1).unwrap(), vec![1, 2]);
+    let (o, r) = step(&mut s, &mut lens);
+    assert_eq!(o.blocks_to_copy, vec![[2, 3]]); // the first writer of shared block 2 copies it
+    assert_eq!(o.kv_indices, vec![1, 3, 1, 2]);
+    assert_eq!(o.slot_mapping, vec![14, 10]);
+    assert_eq!(o.seq_indices, vec![0, 1]);
+    assert_eq!(r.finish_reasons, vec![Some(FinishReason::Length); 2]);
+    assert_eq!(s.current().num_free_device_blocks, 8);
+}
+
+#[test]
+fn requests_that_could_never_fit_are_rejected_at_admission() {
+    let mut s = Scheduler::new(cfg(4, 4, 0)).unwrap();
+    assert!(matches!(s.add_request(1, vec![1; 60], params(5)), Err(CoreError::RequestTooLong { .. })));
+    assert!(matches!(s.add_request(1, vec![1; 14], params(3)), Err(CoreError::RequestTooLarge { num_blocks: 5, .. })));
+    assert!(matches!(s.add_request(1, vec![], params(3)), Err(CoreError::InvalidRequest { .. })));
+    assert!(matches!(s.add_request(1, vec![1], params(0)), Err(CoreError::InvalidRequest { .. })));
+    assert!(matches!(
+        s.add_request(1, vec![1], RequestParams { n: 0, ..params(1) }),
+        Err(CoreError::InvalidRequest { .. })
+    ));
+    s.add_request(1, vec![1; 13], params(3)).unwrap(); // exactly the whole pool
+    assert_eq!(s.add_request(1, vec![1], params(1)), Err(CoreError::DuplicateRequest(1)));
+    let o = s.schedule().unwrap();
+    assert_eq!(o.num_scheduled_tokens(), 13);
+    assert!(matches!(s.update(&[1, 2]), Err(CoreError::BatchSizeMismatch { expected: 1, got: 2 })));
+    assert!(matches!(s.schedule(), Err(CoreError::OutOfOrder(_))));
+    s.update(&[1]).unwrap();
+    assert!(matches!(s.update(&[1]), Err(CoreError::OutOfOrder(_))));
+    assert_eq!(s.finish_request(9, FinishReason::Stop, None), Err(CoreError::UnknownRequest(9)));
+}
+
+#[test]
+fn abort_frees_everything_at_once_even_mid_step() {
+    let (mut s, mut lens) = two_requests(PreemptionModeConfig::Swap, 4);
+    step(&mut s, &mut lens); // 2 is swapped out
+    assert!(s.abort_request(2));
+    assert_eq!(s.current().num_free_host_blocks, 4);
+    s.check_invariants().unwrap();
+    let o = s.schedule().unwrap();
+    assert!(s.abort_request(1)); // between schedule() and update()
+    s.check_invariants().unwrap();
+    let r = s.update(&vec![0; o.logits_indices.len()]).unwrap();
+    assert_eq!(r.finish_reasons, vec![Some(FinishReason::Abort)]);
+    assert!(!s.abort_request(1));
+    assert_eq!(s.current().num_free_device_blocks, 4);
+    assert!(!s.has_unfinished_requests());
+    s.check_invariants().unwrap();
+}

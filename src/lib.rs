@@ -1,0 +1,21 @@
+//! ferryman._core: the PyO3 binding of `ferryman-core`. Translation only — types in, arrays
+//! out, errors mapped in `py_errors.rs` — no scheduling policy lives here.
+
+mod py_config;
+mod py_errors;
+mod py_outputs;
+mod py_scheduler;
+
+use pyo3::prelude::*;
+
+/// The `ferryman._core` extension module.
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<py_config::PySchedulerConfig>()?;
+    m.add_class::<py_scheduler::PyScheduler>()?;
+    m.add_class::<py_outputs::PySchedulerOutput>()?;
+    m.add_class::<py_outputs::PyStepOutputs>()?;
+    py_errors::register(m)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,198 @@
+//! `Scheduler` for Python: argument checking and conversion around `ferryman_core::Scheduler`.
+
+use ferryman_core::{FinishReason, RequestParams, Scheduler};
+use numpy::{AllowTypeChange, PyArrayLike1};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::py_config::PySchedulerConfig;
+use crate::py_errors::{to_pyerr, InvalidRequestError};
+use crate::py_outputs::{PySchedulerOutput, PyStepOutputs};
+
+/// The per-step scheduler and KV block manager. Two calls cross per step: `schedule()` and
+/// `update()`.
+#[pyclass(name = "Scheduler", module = "ferryman._core")]
+pub struct PyScheduler {
+    inner: Scheduler,
+}
+
+fn req_id_of(req_id: i64) -> PyResult<u64> {
+    u64::try_from(req_id).map_err(|_| InvalidRequestError::new_err(format!("req_id must be >= 0, got {req_id}")))
+}
+
+fn token_of(req_id: i64, t: i64) -> PyResult<u32> {
+    if (0..=i32::MAX as i64).contains(&t) {
+        Ok(t as u32)
+    } else {
+        Err(InvalidRequestError::new_err(format!("request {req_id}: token id {t} out of range [0, 2**31)")))
+    }
+}
+
+#[pymethods]
+impl PyScheduler {
+    #[new]
+    fn new(config: &PySchedulerConfig) -> PyResult<Self> {
+        Ok(Self { inner: Scheduler::new(config.inner.clone()).map_err(to_pyerr)? })
+    }
+
+    /// The configuration this scheduler was built with.
+    #[getter]
+    fn config(&self) -> PySchedulerConfig {
+        PySchedulerConfig { inner: self.inner.config().clone() }
+    }
+
+    #[pyo3(signature = (req_id, prompt_token_ids, max_tokens, *, priority=0, eos_token_id=None,
+        stop_token_ids=Vec::new(), ignore_eos=false, n=1))]
+    #[allow(clippy::too_many_arguments)]
+    fn add_request(
+        &mut self,
+        req_id: i64,
+        prompt_token_ids: Vec<i64>,
+        max_tokens: i64,
+        priority: i32,
+        eos_token_id: Option<i64>,
+        stop_token_ids: Vec<i64>,
+        ignore_eos: bool,
+        n: i64,
+    ) -> PyResult<()> {
+        let id = req_id_of(req_id)?;
+        let prompt = prompt_token_ids.into_iter().map(|t| token_of(req_id, t)).collect::<PyResult<Vec<_>>>()?;
+        let stop = stop_token_ids.into_iter().map(|t| token_of(req_id, t)).collect::<PyResult<Vec<_>>>()?;
+        let eos = eos_token_id.map(|t| token_of(req_id, t)).transpose()?;
+        if max_tokens < 1 {
+            return Err(InvalidRequestError::new_err(format!(
+                "request {req_id}: max_tokens must be >= 1, got {max_tokens}"
+            )));
+        }
+        if !(1..=u32::MAX as i64).contains(&n) {
+            return Err(InvalidRequestError::new_err(format!("request {req_id}: n must be >= 1, got {n}")));
+        }
+        let params = RequestParams {
+            max_tokens: max_tokens as usize,
+            priority,
+            eos_token_id: eos,
+            stop_token_ids: stop,
+            ignore_eos,
+            n: n as u32,
+        };
+        self.inner.add_request(id, prompt, params).map_err(to_pyerr)
+    }
+
+    /// Plans one step.
+    fn schedule(&mut self, py: Python<'_>) -> PyResult<PySchedulerOutput> {
+        let out = self.inner.schedule().map_err(to_pyerr)?;
+        PySchedulerOutput::new(py, out)
+    }
+
+    /// Applies one sampled token per entry of the last `logits_indices`.
+    fn update(
+        &mut self,
+        py: Python<'_>,
+        sampled_token_ids: PyArrayLike1<'_, i32, AllowTypeChange>,
+    ) -> PyResult<PyStepOutputs> {
+        let tokens = sampled_token_ids.as_slice()?;
+        let res = self.inner.update(tokens).map_err(to_pyerr)?;
+        PyStepOutputs::new(py, res)
+    }
+
+    /// Aborts a request (all its sequences); False if it is not live.
+    fn abort_request(&mut self, req_id: i64) -> PyResult<bool> {
+        Ok(self.inner.abort_request(req_id_of(req_id)?))
+    }
+
+    /// Finishes a live request for a reason found in Python (a stop string).
+    #[pyo3(signature = (req_id, reason, seq_index=None))]
+    fn finish_request(&mut self, req_id: i64, reason: &str, seq_index: Option<u32>) -> PyResult<()> {
+        let reason = match reason {
+            "stop" => FinishReason::Stop,
+            "length" => FinishReason::Length,
+            "abort" => FinishReason::Abort,
+            other => return Err(to_pyerr(ferryman_core::CoreError::InvalidFinishReason(other.to_string()))),
+        };
+        self.inner.finish_request(req_id_of(req_id)?, reason, seq_index).map_err(to_pyerr)
+    }
+
+    fn has_unfinished_requests(&self) -> bool {
+        self.inner.has_unfinished_requests()
+    }
+
+    /// Cumulative counters and current gauges.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        let c = self.inner.counters();
+        let cur = self.inner.current();
+        let cfg = self.inner.config();
+        for (k, v) in [
+            ("num_steps", c.num_steps),
+            ("num_requests_added", c.num_requests_added),
+            ("num_requests_finished", c.num_requests_finished),
+            ("num_scheduled_tokens", c.num_scheduled_tokens),
+            ("num_generated_tokens", c.num_generated_tokens),
+            ("num_preemptions_recompute", c.num_preemptions_recompute),
+            ("num_preemptions_swap", c.num_preemptions_swap),
+            ("num_swap_fallbacks", c.num_swap_fallbacks),
+            ("num_blocks_swapped_out", c.num_blocks_swapped_out),
+            ("num_blocks_swapped_in", c.num_blocks_swapped_in),
+            ("num_blocks_copied", c.num_blocks_copied),
+            ("num_tokens_recomputed", c.num_tokens_recomputed),
+            ("prefix_cache_queries", c.prefix_cache_queries),
+            ("prefix_cache_hits", c.prefix_cache_hits),
+            ("num_events", c.num_events),
+            ("num_forks_aborted", c.num_forks_aborted),
+        ] {
+            d.set_item(k, v)?;
+        }
+        d.set_item("num_preemptions", c.num_preemptions_recompute + c.num_preemptions_swap)?;
+        for (k, v) in [
+            ("num_running", cur.num_running),
+            ("num_waiting", cur.num_waiting),
+            ("num_swapped", cur.num_swapped),
+            ("num_free_device_blocks", cur.num_free_device_blocks),
+            ("num_free_host_blocks", cur.num_free_host_blocks),
+            ("num_device_blocks", cfg.num_device_blocks),
+            ("num_host_blocks", cfg.num_host_blocks),
+            ("num_cached_blocks", self.inner.num_cached_blocks()),
+        ] {
+            d.set_item(k, v)?;
+        }
+        Ok(d)
+    }
+
+    /// Preemption events since the last call, oldest first, as dicts.
+    fn drain_events<'py>(&mut self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        self.inner
+            .drain_events()
+            .into_iter()
+            .map(|e| {
+                let d = PyDict::new(py);
+                d.set_item("step", e.step)?;
+                d.set_item("req_id", e.req_id)?;
+                d.set_item("seq_index", e.seq_index)?;
+                d.set_item("mode", e.mode.as_str())?;
+                d.set_item("reason", e.reason)?;
+                d.set_item("for_req_id", e.for_req_id)?;
+                d.set_item("num_blocks_freed", e.num_blocks_freed)?;
+                d.set_item("bytes_to_move", e.bytes_to_move)?;
+                d.set_item("num_tokens_to_recompute", e.num_tokens_to_recompute)?;
+                d.set_item("swap_cost_s", e.swap_cost_s)?;
+                d.set_item("recompute_cost_s", e.recompute_cost_s)?;
+                d.set_item("token_budget_left", e.token_budget_left)?;
+                d.set_item("num_free_device_blocks", e.num_free_device_blocks)?;
+                d.set_item("num_free_host_blocks", e.num_free_host_blocks)?;
+                d.set_item("num_preemptions", e.num_preemptions)?;
+                Ok(d)
+            })
+            .collect()
+    }
+
+    /// Verifies the whole state (DESIGN.md §6); raises EngineError naming the first violation.
+    fn check_invariants(&self) -> PyResult<()> {
+        self.inner.check_invariants().map_err(to_pyerr)
+    }
+
+    /// The device block table of a live sequence, or None (debugging and tests).
+    #[pyo3(signature = (req_id, seq_index=0))]
+    fn block_table(&self, req_id: i64, seq_index: u32) -> PyResult<Option<Vec<u32>>> {
+        Ok(self.inner.block_table(req_id_of(req_id)?, seq_index))
+    }
+}

@@ -1,0 +1,168 @@
+"""The binding's contract: names, defaults, dtypes, shapes and errors of ferryman._core."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ferryman
+from ferryman import EngineError, InvalidRequestError, Scheduler, SchedulerConfig
+
+INT32_FIELDS = [
+    "seq_indices",
+    "input_ids",
+    "qo_indptr",
+    "seq_lens",
+    "kv_indptr",
+    "kv_indices",
+    "kv_last_page_len",
+    "sample_seq_indices",
+]
+INT64_FIELDS = ["req_ids", "positions", "slot_mapping", "logits_indices", "sample_req_ids"]
+PAIR_FIELDS = ["blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy"]
+
+
+def test_config_defaults_are_the_contracts() -> None:
+    c = SchedulerConfig()
+    assert (c.block_size, c.num_device_blocks, c.num_host_blocks) == (16, 4096, 0)
+    assert (c.max_num_batched_tokens, c.max_num_seqs, c.max_model_len) == (8192, 256, 8192)
+    assert c.enable_chunked_prefill and c.enable_prefix_caching
+    assert (c.preemption_mode, c.policy, c.watermark) == ("auto", "fcfs", 0.01)
+    assert "SchedulerConfig(block_size=16" in repr(c)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"block_size": 0}, "block_size"),
+        ({"num_device_blocks": 0}, "num_device_blocks"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"preemption_mode": "evict"}, "preemption_mode"),
+        ({"policy": "lifo"}, "policy"),
+        ({"watermark": 1.5}, "watermark"),
+        ({"prefill_tokens_per_s": 0.0}, "prefill_tokens_per_s"),
+        ({"enable_chunked_prefill": False, "max_num_batched_tokens": 16, "max_model_len": 64}, "chunked"),
+    ],
+)
+def test_bad_config_raises_a_value_error_naming_the_field(kwargs: dict[str, object], needle: str) -> None:
+    with pytest.raises(InvalidRequestError, match=needle) as e:
+        SchedulerConfig(**kwargs)  # type: ignore[arg-type]
+    assert isinstance(e.value, ValueError)
+
+
+def make(**kw: object) -> Scheduler:
+    base: dict[str, object] = {"block_size": 4, "num_device_blocks": 16, "max_model_len": 64}
+    base.update(kw)
+    return Scheduler(SchedulerConfig(**base))  # type: ignore[arg-type]
+
+
+def test_every_output_array_has_its_dtype_and_shape() -> None:
+    s = make(num_host_blocks=4)
+    s.add_request(3, [1, 2, 3, 4, 5, 6], 4, n=2)
+    s.add_request(4, np.array([9, 9, 9], dtype=np.int32), 2)
+    out = s.schedule()
+    for name in INT32_FIELDS:
+        a = getattr(out, name)
+        assert a.dtype == np.int32 and a.ndim == 1 and a.flags.c_contiguous, name
+    for name in [*INT64_FIELDS, "preempted_req_ids", "finished_req_ids"]:
+        a = getattr(out, name)
+        assert a.dtype == np.int64 and a.ndim == 1, name
+    for name in PAIR_FIELDS:
+        a = getattr(out, name)
+        assert a.dtype == np.int32 and a.shape == (0, 2), name
+    b, t = len(out.req_ids), len(out.input_ids)
+    assert (b, t) == (2, 9)
+    assert out.qo_indptr.shape == (b + 1,) and out.qo_indptr[-1] == t
+    assert out.kv_indptr.shape == (b + 1,) and out.kv_indptr[-1] == len(out.kv_indices)
+    assert out.positions.shape == out.slot_mapping.shape == (t,)
+    assert list(out.logits_indices) == [5, 5, 8]  # the n=2 request samples its last row twice
+    assert list(out.sample_req_ids) == [3, 3, 4] and list(out.sample_seq_indices) == [0, 1, 0]
+    assert out.num_scheduled_tokens == 9 and out.step == 0
+    res = s.update(np.array([7, 8, 9], dtype=np.int32))
+    assert len(res) == 3
+    assert res.new_token_ids.dtype == np.int32 and list(res.new_token_ids) == [7, 8, 9]
+    assert res.req_ids.dtype == np.int64 and list(res.seq_indices) == [0, 1, 0]
+    assert res.finish_reasons == [None, None, None]
+    out = s.schedule()  # the two forks copy-on-write into the shared partial block
+    assert out.blocks_to_copy.shape == (1, 2)
+    s.update([1, 2, 3])  # a list is accepted too
+
+
+def test_update_takes_other_integer_dtypes() -> None:
+    s = make()
+    s.add_request(1, [1, 2], 1)
+    s.schedule()
+    res = s.update(np.array([5], dtype=np.int64))
+    assert res.finish_reasons == ["length"]
+    assert not s.has_unfinished_requests()
+    assert list(s.schedule().finished_req_ids) == [1]
+
+
+@pytest.mark.parametrize(
+    ("call", "needle"),
+    [
+        (lambda s: s.add_request(1, [], 4), "empty"),
+        (lambda s: s.add_request(-1, [1], 4), "req_id"),
+        (lambda s: s.add_request(1, [1], 0), "max_tokens"),
+        (lambda s: s.add_request(1, [1], 4, n=0), "n must be"),
+        (lambda s: s.add_request(1, [-5], 4), "token id"),
+        (lambda s: s.add_request(1, [1] * 60, 10), "max_model_len"),
+        (lambda s: s.add_request(1, [1] * 60, 4), "could never fit"),
+        (lambda s: s.add_request(1, [1], 4, eos_token_id=-1), "token id"),
+        (lambda s: s.finish_request(77, "stop"), "unknown request 77"),
+        (lambda s: s.finish_request(5, "done"), "finish reason"),
+    ],
+)
+def test_bad_calls_raise_invalid_request_error(call, needle: str) -> None:  # type: ignore[no-untyped-def]
+    s = make(num_device_blocks=8)
+    s.add_request(5, [1, 2, 3], 2)
+    with pytest.raises(InvalidRequestError, match=needle):
+        call(s)
+    s.check_invariants()
+
+
+def test_duplicate_ids_and_protocol_misuse() -> None:
+    s = make()
+    s.add_request(1, [1, 2, 3], 2)
+    with pytest.raises(InvalidRequestError, match="already exists"):
+        s.add_request(1, [4], 2)
+    with pytest.raises(EngineError, match="without a schedule"):
+        s.update([])
+    out = s.schedule()
+    with pytest.raises(EngineError, match="twice"):
+        s.schedule()
+    with pytest.raises(InvalidRequestError, match="expected 1 sampled token ids"):
+        s.update(np.zeros(3, dtype=np.int32))
+    s.update(np.zeros(len(out.logits_indices), dtype=np.int32))  # the step is still pending
+    assert s.abort_request(1) and not s.abort_request(1)
+    assert ferryman.__version__
+
+
+def test_events_and_stats_report_a_preemption() -> None:
+    s = make(block_size=2, num_device_blocks=4, preemption_mode="swap", num_host_blocks=8, watermark=0.0)
+    s.add_request(1, [1, 2, 3], 4, ignore_eos=True)
+    s.add_request(2, [4, 5, 6], 4, ignore_eos=True)
+    preempted = []
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        preempted += list(out.preempted_req_ids)
+        s.update(np.ones(len(out.logits_indices), dtype=np.int32))
+    events = s.drain_events()
+    assert preempted == [2] and len(events) == 1
+    e = events[0]
+    assert (e["req_id"], e["mode"], e["reason"], e["for_req_id"]) == (2, "swap", "config", 1)
+    assert set(e) >= {
+        "step",
+        "num_blocks_freed",
+        "bytes_to_move",
+        "num_tokens_to_recompute",
+        "token_budget_left",
+        "num_free_device_blocks",
+        "num_free_host_blocks",
+        "num_preemptions",
+    }
+    st = s.stats()
+    assert st["num_preemptions_swap"] == 1 and st["num_preemptions"] == 1
+    assert st["num_blocks_swapped_out"] == st["num_blocks_swapped_in"] == 2
+    assert st["num_free_device_blocks"] == 4 and st["num_free_host_blocks"] == 8
+    assert s.drain_events() == []

@@ -1,0 +1,15 @@
+"""The README's Python examples run as written."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def test_readme_python_blocks_run() -> None:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert blocks, "the README shows the Python API"
+    for code in blocks:
+        exec(compile(code, str(README), "exec"), {})

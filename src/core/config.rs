@@ -143,8 +143,8 @@ impl SchedulerConfig {
     /// Checks every field and their relations; names the offending field.
     pub fn validate(&self) -> CoreResult<()> {
         let bad = |m: String| Err(CoreError::InvalidConfig(m));
-        if self.block_size == 0 || self.block_size > 4096 {
-            return bad(format!("block_size must be in 1..=4096, got {}", self.block_size));
+        if !self.block_size.is_power_of_two() || self.block_size > 4096 {
+            return bad(format!("block_size must be a power of two up to 4096, got {}", self.block_size));
         }
         if self.num_device_blocks == 0 || self.num_device_blocks >= i32::MAX as usize {
             return bad(format!("num_device_blocks must be >= 1, got {}", self.num_device_blocks));
@@ -189,7 +189,7 @@ impl SchedulerConfig {
     /// Blocks needed to hold `num_tokens` tokens.
     #[inline]
     pub fn blocks_for(&self, num_tokens: usize) -> usize {
-        num_tokens.div_ceil(self.block_size)
+        (num_tokens + self.block_size - 1) >> self.block_size.trailing_zeros()
     }
 
     /// Free device blocks that admission leaves untouched while others run.

@@ -40,7 +40,7 @@ impl Scheduler {
                 host_refs[b as usize] += 1;
             }
             let id = format!("request {} fork {}", r.req_id, r.seq_index);
-            if table.contains(&NULL_BLOCK) || host_table.contains(&NULL_BLOCK) {
+            if table.contains(&(NULL_BLOCK as i32)) || host_table.contains(&(NULL_BLOCK as i32)) {
                 return Err(format!("{id} holds the null block"));
             }
             if r.num_computed_tokens > r.num_tokens() {

@@ -5,6 +5,9 @@
 //! `admit` or `allocate_slots`, which return `None` when the blocks are not there (a value, not
 //! an error). Swapping lives in `swap.rs` on the same type.
 //!
+//! Tables hold block ids as i32, the dtype they cross the boundary in, so building
+//! `kv_indices` is a plain copy.
+//!
 //! Invariants: every block in a device table has `ref_cnt` equal to the number of tables that
 //! hold it; a table never holds `NULL_BLOCK`; a slot holds a device table or a host table, not
 //! both.
@@ -16,12 +19,14 @@ use crate::prefix_cache::PrefixCache;
 #[derive(Debug, Clone)]
 pub struct KvCacheManager {
     pub(crate) block_size: usize,
+    /// log2(block_size): block arithmetic is shifts and masks on the hot path.
+    pub(crate) block_shift: u32,
     pub(crate) device: BlockPool,
     pub(crate) host: BlockPool,
     pub(crate) prefix_cache: PrefixCache,
     pub(crate) enable_prefix_caching: bool,
-    pub(crate) tables: Vec<Vec<u32>>,
-    pub(crate) host_tables: Vec<Vec<u32>>,
+    pub(crate) tables: Vec<Vec<i32>>,
+    pub(crate) host_tables: Vec<Vec<i32>>,
 }
 
 /// A copy-on-write the step must run before the forward: (src, dst) device blocks.
@@ -30,8 +35,10 @@ pub type BlockCopy = (u32, u32);
 impl KvCacheManager {
     /// Pools of `num_device_blocks` and `num_host_blocks` usable blocks.
     pub fn new(block_size: usize, num_device_blocks: usize, num_host_blocks: usize, prefix: bool) -> Self {
+        debug_assert!(block_size.is_power_of_two());
         Self {
             block_size,
+            block_shift: block_size.trailing_zeros(),
             device: BlockPool::new(num_device_blocks),
             host: BlockPool::new(num_host_blocks),
             prefix_cache: PrefixCache::new(num_device_blocks + 1),
@@ -52,13 +59,13 @@ impl KvCacheManager {
 
     /// The device block table of `slot`.
     #[inline]
-    pub fn table(&self, slot: u32) -> &[u32] {
+    pub fn table(&self, slot: u32) -> &[i32] {
         &self.tables[slot as usize]
     }
 
     /// The host block table of `slot` (non-empty only while swapped).
     #[inline]
-    pub fn host_table(&self, slot: u32) -> &[u32] {
+    pub fn host_table(&self, slot: u32) -> &[i32] {
         &self.host_tables[slot as usize]
     }
 
@@ -99,13 +106,19 @@ impl KvCacheManager {
         for &h in hit_hashes {
             let b = self.prefix_cache.lookup(h).expect("match_prefix saw this hash");
             self.device.touch(b);
-            table.push(b);
+            table.push(b as i32);
         }
         for _ in 0..num_new {
-            table.push(self.allocate_block().expect("counted above"));
+            table.push(self.allocate_block().expect("counted above") as i32);
         }
         self.tables[slot as usize] = table;
         Some(())
+    }
+
+    /// Blocks needed to hold `num_tokens` tokens.
+    #[inline]
+    pub fn blocks_for(&self, num_tokens: usize) -> usize {
+        (num_tokens + self.block_size - 1) >> self.block_shift
     }
 
     /// Blocks `allocate_slots(slot, num_computed, num_new)` would take: new blocks past the
@@ -113,37 +126,45 @@ impl KvCacheManager {
     #[inline]
     pub fn num_new_blocks(&self, slot: u32, num_computed: usize, num_new: usize) -> usize {
         let table = &self.tables[slot as usize];
-        let grow = (num_computed + num_new).div_ceil(self.block_size).saturating_sub(table.len());
-        grow + usize::from(self.needs_cow(table, num_computed))
+        let grow = self.blocks_for(num_computed + num_new).saturating_sub(table.len());
+        grow + usize::from(self.cow_index(table, num_computed).is_some())
     }
 
+    /// The index of the shared, partly filled block the next token would be written into.
     #[inline]
-    fn needs_cow(&self, table: &[u32], num_computed: usize) -> bool {
-        !num_computed.is_multiple_of(self.block_size)
-            && table.get(num_computed / self.block_size).is_some_and(|&b| self.device.ref_cnt(b) > 1)
+    fn cow_index(&self, table: &[i32], num_computed: usize) -> Option<usize> {
+        if num_computed & (self.block_size - 1) == 0 {
+            return None;
+        }
+        let i = num_computed >> self.block_shift;
+        table.get(i).filter(|&&b| self.device.ref_cnt(b as u32) > 1).map(|_| i)
     }
 
     /// Makes the table cover `num_computed + num_new` tokens, copying a shared partly filled
     /// block first. Returns the copy to run, if any; `None` when the pool is short (no change).
     #[inline]
     pub fn allocate_slots(&mut self, slot: u32, num_computed: usize, num_new: usize) -> Option<Option<BlockCopy>> {
-        let need = self.num_new_blocks(slot, num_computed, num_new);
+        let s = slot as usize;
+        let want = self.blocks_for(num_computed + num_new);
+        let cow_idx = self.cow_index(&self.tables[s], num_computed);
+        let need = want.saturating_sub(self.tables[s].len()) + usize::from(cow_idx.is_some());
+        if need == 0 {
+            return Some(None); // most decodes: the last block has room
+        }
         if need > self.device.num_free() {
             return None;
         }
         let mut cow = None;
-        let idx = num_computed / self.block_size;
-        if self.needs_cow(&self.tables[slot as usize], num_computed) {
-            let src = self.tables[slot as usize][idx];
+        if let Some(idx) = cow_idx {
+            let src = self.tables[s][idx] as u32;
             let dst = self.allocate_block().expect("counted above");
             self.device.free(src, true); // still held by the other forks
-            self.tables[slot as usize][idx] = dst;
+            self.tables[s][idx] = dst as i32;
             cow = Some((src, dst));
         }
-        let want = (num_computed + num_new).div_ceil(self.block_size);
         while self.tables[slot as usize].len() < want {
             let b = self.allocate_block().expect("counted above");
-            self.tables[slot as usize].push(b);
+            self.tables[slot as usize].push(b as i32);
         }
         Some(cow)
     }
@@ -164,6 +185,7 @@ impl KvCacheManager {
         let table = std::mem::take(&mut self.tables[slot as usize]);
         let mut freed = 0;
         for &b in table.iter().rev() {
+            let b = b as u32;
             freed += usize::from(self.device.free(b, self.prefix_cache.is_cached(b)));
         }
         let mut table = table;
@@ -175,7 +197,7 @@ impl KvCacheManager {
     /// Frees device blocks of the slot beyond the first `keep` (no content worth keeping).
     pub fn truncate(&mut self, slot: u32, keep: usize) {
         while self.tables[slot as usize].len() > keep {
-            let b = self.tables[slot as usize].pop().expect("len > keep");
+            let b = self.tables[slot as usize].pop().expect("len > keep") as u32;
             self.device.free(b, self.prefix_cache.is_cached(b));
         }
     }
@@ -186,7 +208,7 @@ impl KvCacheManager {
         let mut t = std::mem::take(&mut self.tables[child as usize]);
         t.extend_from_slice(&self.tables[parent as usize]);
         for &b in &t {
-            self.device.touch(b);
+            self.device.touch(b as u32);
         }
         self.tables[child as usize] = t;
     }
@@ -195,13 +217,13 @@ impl KvCacheManager {
     pub fn cache_blocks(&mut self, slot: u32, hashes: &[u128], from: usize, to: usize) {
         let table = &self.tables[slot as usize];
         for i in from..to {
-            self.prefix_cache.insert(table[i], hashes[i]);
+            self.prefix_cache.insert(table[i] as u32, hashes[i]);
         }
     }
 
     /// Blocks of the slot that only it holds: what preempting it really frees.
     pub fn num_exclusive_blocks(&self, slot: u32) -> usize {
-        self.tables[slot as usize].iter().filter(|&&b| self.device.ref_cnt(b) == 1).count()
+        self.tables[slot as usize].iter().filter(|&&b| self.device.ref_cnt(b as u32) == 1).count()
     }
 
     /// Leading blocks of the slot that others also hold and that are cached: they survive its
@@ -209,7 +231,7 @@ impl KvCacheManager {
     pub fn num_surviving_prefix_blocks(&self, slot: u32) -> usize {
         self.tables[slot as usize]
             .iter()
-            .take_while(|&&b| self.device.ref_cnt(b) > 1 && self.prefix_cache.is_cached(b))
+            .take_while(|&&b| self.device.ref_cnt(b as u32) > 1 && self.prefix_cache.is_cached(b as u32))
             .count()
     }
 }

@@ -25,15 +25,15 @@ pub struct PrefixCache {
 }
 
 /// Hashes of the full blocks of `token_ids` not yet in `hashes`, appended in block order.
-pub fn extend_block_hashes(hashes: &mut Vec<u128>, token_ids: &[u32], block_size: usize, scratch: &mut Vec<u8>) {
+pub fn extend_block_hashes(hashes: &mut Vec<u128>, token_ids: &[i32], block_size: usize, scratch: &mut Vec<u8>) {
     let num_full = token_ids.len() / block_size;
     while hashes.len() < num_full {
         let i = hashes.len();
         let parent = if i == 0 { NO_HASH } else { hashes[i - 1] };
-        scratch.clear();
-        scratch.extend_from_slice(&parent.to_le_bytes());
-        for t in &token_ids[i * block_size..(i + 1) * block_size] {
-            scratch.extend_from_slice(&t.to_le_bytes());
+        scratch.resize(16 + 4 * block_size, 0);
+        scratch[..16].copy_from_slice(&parent.to_le_bytes());
+        for (c, t) in scratch[16..].chunks_exact_mut(4).zip(&token_ids[i * block_size..(i + 1) * block_size]) {
+            c.copy_from_slice(&t.to_le_bytes());
         }
         let h = xxh3_128_with_seed(scratch, 0x6665_7272_796d_616e); // "ferryman"
         hashes.push(if h == NO_HASH { 1 } else { h });
@@ -43,7 +43,9 @@ pub fn extend_block_hashes(hashes: &mut Vec<u128>, token_ids: &[u32], block_size
 impl PrefixCache {
     /// An empty cache over a pool of `num_blocks` blocks.
     pub fn new(num_blocks: usize) -> Self {
-        Self { block_hash: vec![NO_HASH; num_blocks], hash_to_block: FxHashMap::default(), scratch: Vec::new() }
+        let mut hash_to_block = FxHashMap::default();
+        hash_to_block.reserve(num_blocks); // never rehashes: a block holds at most one entry
+        Self { block_hash: vec![NO_HASH; num_blocks], hash_to_block, scratch: Vec::new() }
     }
 
     /// The block holding content `hash`, if any.
@@ -90,7 +92,7 @@ impl PrefixCache {
     }
 
     /// Computes missing block hashes of `token_ids` into `hashes` (see `extend_block_hashes`).
-    pub fn hash_blocks(&mut self, hashes: &mut Vec<u128>, token_ids: &[u32], block_size: usize) {
+    pub fn hash_blocks(&mut self, hashes: &mut Vec<u128>, token_ids: &[i32], block_size: usize) {
         extend_block_hashes(hashes, token_ids, block_size, &mut self.scratch);
     }
 

@@ -72,8 +72,8 @@ pub struct Request {
     pub arrival: u64,
     /// Lower is more important (vLLM's convention); used by policy "priority".
     pub priority: i32,
-    /// Prompt followed by generated tokens.
-    pub token_ids: Vec<u32>,
+    /// Prompt followed by generated tokens (i32, the dtype they cross the boundary in).
+    pub token_ids: Vec<i32>,
     /// Length of the prompt at the front of `token_ids`.
     pub num_prompt_tokens: usize,
     /// Tokens whose KV is in this request's blocks.
@@ -113,7 +113,7 @@ impl Request {
 
     /// Appends a sampled token and says whether (and why) the request is now finished.
     pub fn append_token(&mut self, token: u32, max_model_len: usize) -> Option<FinishReason> {
-        self.token_ids.push(token);
+        self.token_ids.push(token as i32);
         let s = &self.stop;
         if (!s.ignore_eos && s.eos_token_id == Some(token)) || s.stop_token_ids.contains(&token) {
             Some(FinishReason::Stop)

@@ -129,6 +129,8 @@ pub struct Scheduler {
     pub(crate) events: Vec<PreemptionEvent>,
     pub(crate) counters: Counters,
     pub(crate) last_step: StepStats,
+    /// 0, 1, .., max(max_model_len, block_size): positions and slot runs are copied from it.
+    pub(crate) iota: Vec<i64>,
 }
 
 impl Scheduler {
@@ -137,6 +139,7 @@ impl Scheduler {
         cfg.validate()?;
         let kv =
             KvCacheManager::new(cfg.block_size, cfg.num_device_blocks, cfg.num_host_blocks, cfg.enable_prefix_caching);
+        let iota = (0..=cfg.max_model_len.max(cfg.block_size) as i64).collect();
         Ok(Self {
             cfg,
             kv,
@@ -155,6 +158,7 @@ impl Scheduler {
             events: Vec::new(),
             counters: Counters::default(),
             last_step: StepStats::default(),
+            iota,
         })
     }
 
@@ -201,12 +205,15 @@ impl Scheduler {
                 num_device_blocks: self.cfg.num_device_blocks,
             });
         }
+        // room for every token the request can have, so appending never reallocates
+        let mut token_ids: Vec<i32> = Vec::with_capacity(total);
+        token_ids.extend(prompt_token_ids.iter().map(|&t| t as i32));
         let req = Request {
             req_id,
             seq_index: 0,
             arrival: self.next_arrival,
             priority: p.priority,
-            token_ids: prompt_token_ids,
+            token_ids,
             num_prompt_tokens,
             num_computed_tokens: 0,
             stop: StopParams {
@@ -270,7 +277,11 @@ impl Scheduler {
         if self.pending.is_some() {
             return Err(CoreError::OutOfOrder("schedule() called twice without update() in between"));
         }
-        let mut plan = StepPlan { budget: self.cfg.max_num_batched_tokens, ..StepPlan::default() };
+        let mut plan = StepPlan {
+            budget: self.cfg.max_num_batched_tokens,
+            scheduled: Vec::with_capacity(self.running.len() + self.swapped.len() + self.waiting.len().min(64)),
+            ..StepPlan::default()
+        };
         self.schedule_running(&mut plan);
         if plan.preempted.is_empty() {
             self.schedule_swapped(&mut plan);
@@ -532,7 +543,7 @@ impl Scheduler {
     pub fn block_table(&self, req_id: u64, seq_index: u32) -> Option<Vec<u32>> {
         let slots = self.req_slots.get(&req_id)?;
         let slot = slots.iter().copied().find(|&s| self.req(s).seq_index == seq_index)?;
-        Some(self.kv.table(slot).to_vec())
+        Some(self.kv.table(slot).iter().map(|&b| b as u32).collect())
     }
 
     /// Status of the live fork `seq_index` of `req_id` (tests, debugging).

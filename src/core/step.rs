@@ -15,6 +15,7 @@ impl Scheduler {
     /// Lays out the plan as FlashInfer-ready arrays and remembers it for `update()`.
     pub(crate) fn build_output(&mut self, plan: StepPlan) -> SchedulerOutput {
         let bs = self.cfg.block_size;
+        let (shift, mask) = (bs.trailing_zeros(), bs - 1);
         let b = plan.scheduled.len();
         let t = self.cfg.max_num_batched_tokens - plan.budget;
         let mut o = SchedulerOutput {
@@ -43,20 +44,19 @@ impl Scheduler {
             let (start, end) = (r.num_computed_tokens, r.num_computed_tokens + s.num_new);
             o.req_ids.push(r.req_id as i64);
             o.seq_indices.push(r.seq_index as i32);
-            o.input_ids.extend(r.token_ids[start..end].iter().map(|&x| x as i32));
-            o.positions.extend(start as i64..end as i64);
+            o.input_ids.extend_from_slice(&r.token_ids[start..end]);
+            append_range(&mut o.positions, &self.iota, start as i64, s.num_new);
             let mut pos = start;
             while pos < end {
-                let (blk, off) = (pos / bs, pos % bs);
+                let (blk, off) = (pos >> shift, pos & mask);
                 let run = (bs - off).min(end - pos);
-                let base = table[blk] as i64 * bs as i64 + off as i64;
-                o.slot_mapping.extend(base..base + run as i64);
+                append_range(&mut o.slot_mapping, &self.iota, table[blk] as i64 * bs as i64 + off as i64, run);
                 pos += run;
             }
             o.qo_indptr.push(o.input_ids.len() as i32);
             o.seq_lens.push(end as i32);
-            let num_blocks = end.div_ceil(bs);
-            o.kv_indices.extend(table[..num_blocks].iter().map(|&x| x as i32));
+            let num_blocks = (end + mask) >> shift;
+            o.kv_indices.extend_from_slice(&table[..num_blocks]);
             o.kv_indptr.push(o.kv_indices.len() as i32);
             o.kv_last_page_len.push((end - (num_blocks - 1) * bs) as i32);
             if let Some((src, dst)) = s.cow {
@@ -168,7 +168,7 @@ impl Scheduler {
         if !self.cfg.enable_prefix_caching {
             return;
         }
-        let num_full = r.num_computed_tokens / self.cfg.block_size;
+        let num_full = r.num_computed_tokens >> self.cfg.block_size.trailing_zeros();
         if num_full > r.num_cached_blocks {
             let known = &r.token_ids[..num_full * self.cfg.block_size];
             self.kv.prefix_cache.hash_blocks(&mut r.block_hashes, known, self.cfg.block_size);
@@ -206,5 +206,20 @@ impl Scheduler {
             slots.push(slot);
         }
         slots
+    }
+}
+
+/// Appends `start, start + 1, .., start + n - 1` as a copy of `iota` (0, 1, 2, ..) plus a
+/// vectorized add, the cheapest safe way to fill a run.
+#[inline]
+fn append_range(dst: &mut Vec<i64>, iota: &[i64], start: i64, n: usize) {
+    let at = dst.len();
+    if start >= 0 && (start as usize) + n <= iota.len() {
+        dst.extend_from_slice(&iota[start as usize..start as usize + n]);
+    } else {
+        dst.extend_from_slice(&iota[..n]);
+        for x in &mut dst[at..] {
+            *x += start;
+        }
     }
 }

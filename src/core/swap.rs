@@ -22,9 +22,9 @@ impl KvCacheManager {
         }
         let mut host_table = std::mem::take(&mut self.host_tables[s]);
         for &d in &self.tables[s] {
-            let h = self.host.allocate().expect("counted above");
+            let h = self.host.allocate().expect("counted above") as i32;
             host_table.push(h);
-            plan.push([d as i32, h as i32]);
+            plan.push([d, h]);
         }
         self.host_tables[s] = host_table;
         Some(self.free(slot))
@@ -41,10 +41,10 @@ impl KvCacheManager {
         let host_table = std::mem::take(&mut self.host_tables[s]);
         let mut table = std::mem::take(&mut self.tables[s]);
         for &h in &host_table {
-            let d = self.allocate_block().expect("counted above");
+            let d = self.allocate_block().expect("counted above") as i32;
             table.push(d);
-            plan.push([h as i32, d as i32]);
-            self.host.free(h, false);
+            plan.push([h, d]);
+            self.host.free(h as u32, false);
         }
         self.tables[s] = table;
         let mut host_table = host_table;
@@ -57,7 +57,7 @@ impl KvCacheManager {
     pub fn free_host(&mut self, slot: u32) {
         let s = slot as usize;
         for &h in &self.host_tables[s] {
-            self.host.free(h, false);
+            self.host.free(h as u32, false);
         }
         self.host_tables[s].clear();
     }

@@ -35,6 +35,7 @@ def test_config_defaults_are_the_contracts() -> None:
     ("kwargs", "needle"),
     [
         ({"block_size": 0}, "block_size"),
+        ({"block_size": 24}, "power of two"),
         ({"num_device_blocks": 0}, "num_device_blocks"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"preemption_mode": "evict"}, "preemption_mode"),

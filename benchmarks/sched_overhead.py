@@ -5,7 +5,8 @@ Replays a workload trace through ``ferryman._core.Scheduler``. The trace is a JS
 ``splitmix64((seed << 48) | (r << 24) | p) % 151936``. Before step s, every request with
 ``arrival_step <= s`` is added; the fake model emits, for every sample, the token of position
 ``len(request)``. Only ``schedule()`` and ``update()`` are timed (binding crossing included:
-numpy arrays out, the sampled int32 array in). Prints one JSON line.
+numpy arrays out, the sampled int32 array in). Prints one JSON line; ``core_ns_per_output_token``
+is the part spent inside Rust (the core's own clock), the rest is the binding crossing.
 
     python benchmarks/sched_overhead.py --generate 1024 --out trace.json      # write a trace
     python benchmarks/sched_overhead.py --trace trace.json                    # ample pool
@@ -115,6 +116,7 @@ def replay(trace: list[dict[str, int]], cfg: SchedulerConfig, seed: int) -> dict
         "us_per_step_p99": round(float(np.percentile(ns, 99)) / 1e3, 2),
         "ns_per_output_token": round(total / num_generated, 1),
         "scheduler_ms_total": round(total / 1e6, 1),
+        "core_ns_per_output_token": round(st["scheduler_ns"] / num_generated, 1),
         "peak_blocks_used": cfg.num_device_blocks - min_free,
     }
 

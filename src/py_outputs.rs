@@ -65,6 +65,8 @@ pub struct PySchedulerOutput {
     num_swapped: usize,
     #[pyo3(get)]
     num_preemptions: usize,
+    #[pyo3(get)]
+    schedule_ns: u64,
 }
 
 fn arr<T: numpy::Element>(py: Python<'_>, v: Vec<T>) -> Py<PyArray1<T>> {
@@ -108,6 +110,7 @@ impl PySchedulerOutput {
             num_waiting: s.num_waiting,
             num_swapped: s.num_swapped,
             num_preemptions: s.num_preemptions,
+            schedule_ns: s.schedule_ns,
         })
     }
 }

@@ -139,6 +139,7 @@ impl PyScheduler {
             ("prefix_cache_hits", c.prefix_cache_hits),
             ("num_events", c.num_events),
             ("num_forks_aborted", c.num_forks_aborted),
+            ("scheduler_ns", c.scheduler_ns),
         ] {
             d.set_item(k, v)?;
         }

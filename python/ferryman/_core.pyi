@@ -162,6 +162,9 @@ class SchedulerOutput:
     def num_swapped(self) -> int: ...
     @property
     def num_preemptions(self) -> int: ...
+    @property
+    def schedule_ns(self) -> int:
+        """Wall time of the schedule() call that planned this step (inside Rust)."""
 
 _FinishReason = Literal["stop", "length", "abort"]
 

@@ -79,6 +79,8 @@ pub struct StepStats {
     pub num_swapped: usize,
     /// Preemptions in this step.
     pub num_preemptions: usize,
+    /// Wall time of the `schedule()` call that planned this step, in nanoseconds.
+    pub schedule_ns: u64,
 }
 
 /// The result of `update()`, one entry per sample of the step.

@@ -23,6 +23,7 @@
 //! blocks only, waiting ones none; the running forks never exceed `max_num_seqs`.
 
 use std::collections::VecDeque;
+use std::time::Instant;
 
 use rustc_hash::FxHashMap;
 
@@ -73,6 +74,8 @@ pub struct Counters {
     pub num_events: u64,
     /// Forks ended by `abort_request` or `finish_request(.., Abort)`.
     pub num_forks_aborted: u64,
+    /// Wall time spent inside `schedule()` and `update()`, in nanoseconds.
+    pub scheduler_ns: u64,
 }
 
 /// A request scheduled in the step being planned.
@@ -277,6 +280,7 @@ impl Scheduler {
         if self.pending.is_some() {
             return Err(CoreError::OutOfOrder("schedule() called twice without update() in between"));
         }
+        let started = Instant::now();
         let mut plan = StepPlan {
             budget: self.cfg.max_num_batched_tokens,
             scheduled: Vec::with_capacity(self.running.len() + self.swapped.len() + self.waiting.len().min(64)),
@@ -290,7 +294,11 @@ impl Scheduler {
             }
         }
         debug_assert!(plan.swap_in.is_empty() || plan.swap_out.is_empty());
-        let out = self.build_output(plan);
+        let mut out = self.build_output(plan);
+        let ns = started.elapsed().as_nanos() as u64;
+        out.stats.schedule_ns = ns;
+        self.last_step.schedule_ns = ns;
+        self.counters.scheduler_ns += ns;
         self.step += 1;
         Ok(out)
     }

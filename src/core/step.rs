@@ -102,6 +102,7 @@ impl Scheduler {
 
     /// Applies one sampled token per sample row of the last `schedule()`, in its order.
     pub fn update(&mut self, sampled_token_ids: &[i32]) -> CoreResult<StepOutputs> {
+        let started = std::time::Instant::now();
         let pending =
             self.pending.take().ok_or(CoreError::OutOfOrder("update() called without a schedule() before it"))?;
         if sampled_token_ids.len() != pending.samples.len() {
@@ -156,6 +157,7 @@ impl Scheduler {
             }
         }
         self.release_deferred_slots();
+        self.counters.scheduler_ns += started.elapsed().as_nanos() as u64;
         Ok(out)
     }
 

@@ -24,7 +24,8 @@ fn step(s: &mut Scheduler) {
     s.update(&sampled).unwrap();
 }
 
-/// `running` requests with `prompt_len` prompts, prefilled; `waiting` more queued behind them.
+/// `running` requests with prompts of `prompt_len` tokens plus 0..16 (so decodes cross block
+/// boundaries on different steps), prefilled; then `waiting` more queued behind them.
 fn template(
     running: usize,
     waiting: usize,
@@ -37,28 +38,46 @@ fn template(
         num_device_blocks,
         num_host_blocks: num_device_blocks,
         max_num_batched_tokens: 8192,
-        max_num_seqs: running,
+        max_num_seqs: running + waiting.min(running),
         max_model_len: prompt_len + 4096,
         preemption_mode: mode,
         watermark: 0.0,
         ..SchedulerConfig::default()
     };
     let mut s = Scheduler::new(cfg).unwrap();
-    for r in 0..(running + waiting) as u64 {
-        let prompt = (0..prompt_len).map(|p| token(r, p)).collect();
-        s.add_request(r, prompt, RequestParams { max_tokens: 4096, n: 1, ..RequestParams::default() }).unwrap();
+    let add = |s: &mut Scheduler, r: u64| {
+        let prompt = (0..prompt_len + r as usize % 16).map(|p| token(r, p)).collect();
+        s.add_request(r, prompt, RequestParams { max_tokens: 4000, n: 1, ..RequestParams::default() }).unwrap();
+    };
+    for r in 0..running as u64 {
+        add(&mut s, r);
     }
-    // prefill until the first `running` requests all decode
-    while s.current().num_running < running || s.last_step().num_prefill_tokens > 0 {
+    while s.current().num_waiting > 0 || s.last_step().num_prefill_tokens > 0 || s.last_step().step == 0 {
         step(&mut s);
-        if s.current().num_waiting == waiting && s.last_step().num_prefill_tokens == 0 {
-            break;
-        }
+    }
+    for r in running as u64..(running + waiting) as u64 {
+        add(&mut s, r);
     }
     s
 }
 
+/// Prints what a step of the scenario holds, so the timings can be read per request.
+fn describe(name: &str, tpl: &Scheduler) {
+    let mut s = tpl.clone();
+    let (mut rows, mut preempted) = (0, 0);
+    for _ in 0..RESET {
+        let out = s.schedule().unwrap();
+        rows += out.req_ids.len();
+        preempted += out.preempted_req_ids.len();
+        let sampled = vec![1; out.logits_indices.len()];
+        s.update(&sampled).unwrap();
+    }
+    let per = RESET as f64;
+    eprintln!("{name}: {:.0} rows and {:.2} preemptions per step", rows as f64 / per, preempted as f64 / per);
+}
+
 fn bench_scenario(c: &mut Criterion, name: &str, tpl: &Scheduler) {
+    describe(name, tpl);
     c.bench_function(name, |b| {
         b.iter_custom(|iters| {
             let mut total = Duration::ZERO;
@@ -85,14 +104,15 @@ fn benches(c: &mut Criterion) {
     let auto = PreemptionModeConfig::Auto;
     for &n in &[256usize, 1024] {
         let prompt = if n == 256 { 1024 } else { 256 };
-        let ample = n * (prompt / 16 + 8) + 64;
+        let ample = n * (prompt / 16 + 16) + 64;
         bench_scenario(c, &format!("decode/{n}"), &template(n, 0, prompt, ample, auto));
-        // decodes plus 8192 - n tokens of chunked prefill from a deep waiting queue each step
+        // n decodes plus 8192 - n tokens of chunked prefill from a deep waiting queue each step
         bench_scenario(c, &format!("mixed/{n}"), &template(n, 4 * n, prompt, ample * 8, auto));
-        // a pool with no slack: every block boundary preempts a request
+        // short requests in a pool with one spare block per 8 of them: every step some decodes
+        // cross a block boundary and each victim frees only a few blocks, so most steps preempt
         for (mode, label) in [(PreemptionModeConfig::Recompute, "recompute"), (PreemptionModeConfig::Swap, "swap")] {
-            let tight = n * prompt / 16 + n / 8;
-            bench_scenario(c, &format!("preempt_{label}/{n}"), &template(n, 0, prompt, tight, mode));
+            let tight = n * 3 + n / 8;
+            bench_scenario(c, &format!("preempt_{label}/{n}"), &template(n, 0, 32, tight, mode));
         }
     }
 }

@@ -44,7 +44,11 @@ impl Scheduler {
             let (start, end) = (r.num_computed_tokens, r.num_computed_tokens + s.num_new);
             o.req_ids.push(r.req_id as i64);
             o.seq_indices.push(r.seq_index as i32);
-            o.input_ids.extend_from_slice(&r.token_ids[start..end]);
+            if s.num_new == 1 {
+                o.input_ids.push(r.token_ids[start]);
+            } else {
+                o.input_ids.extend_from_slice(&r.token_ids[start..end]);
+            }
             append_range(&mut o.positions, &self.iota, start as i64, s.num_new);
             let mut pos = start;
             while pos < end {
@@ -215,6 +219,10 @@ impl Scheduler {
 /// vectorized add, the cheapest safe way to fill a run.
 #[inline]
 fn append_range(dst: &mut Vec<i64>, iota: &[i64], start: i64, n: usize) {
+    if n == 1 {
+        dst.push(start); // a decode: no copy call for one element
+        return;
+    }
     let at = dst.len();
     if start >= 0 && (start as usize) + n <= iota.len() {
         dst.extend_from_slice(&iota[start as usize..start as usize + n]);

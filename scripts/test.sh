@@ -17,7 +17,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r requirements-dev.txt
-export PATH="$VENV/bin:$PATH"
+export VIRTUAL_ENV="$VENV" PATH="$VENV/bin:$PATH"
 export PYO3_PYTHON="$VENV/bin/python"
 
 step "cargo fmt --check"

@@ -4,7 +4,7 @@
 #
 #   FERRYMAN_VENV       virtual environment to use/create (default ~/.cache/ferryman/venv)
 #   CARGO_TARGET_DIR    cargo build folder (default ~/.cache/ferryman/target, a cache only)
-#   FERRYMAN_RANDOM_OPS operations of the randomized core test (default 100000)
+#   FERRYMAN_RANDOM_OPS operations of the randomized core test (default here 500000)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,7 +27,8 @@ ruff check .
 ruff format --check .
 step "cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
-step "cargo test (core, randomized ops: ${FERRYMAN_RANDOM_OPS:-100000})"
+export FERRYMAN_RANDOM_OPS=${FERRYMAN_RANDOM_OPS:-500000}
+step "cargo test (core, randomized ops: $FERRYMAN_RANDOM_OPS)"
 cargo test -p ferryman-core
 step "criterion benches, once each in test mode"
 cargo test -p ferryman-core --benches

@@ -95,8 +95,12 @@ impl Scheduler {
     /// Preempts `running[idx]` to make room for `for_req_id`; undoes its part of the step plan.
     pub(crate) fn preempt(&mut self, idx: usize, for_req_id: u64, plan: &mut StepPlan) {
         let slot = self.running.remove(idx);
+        // undo its part of this step: the budget comes back; a copy-on-write it planned is dropped
+        let mut dropped_cow = None;
         if let Some(at) = plan.scheduled.iter().position(|s| s.slot == slot) {
-            plan.budget += plan.scheduled.remove(at).num_new; // its blocks are freed below
+            let s = plan.scheduled.remove(at);
+            plan.budget += s.num_new;
+            dropped_cow = s.cow;
         }
         let cost = self.restore_cost(slot);
         let (mode, reason) = match (self.cfg.preemption_mode, cost.swap_s) {
@@ -131,7 +135,18 @@ impl Scheduler {
             }
             PreemptionMode::Swap => {
                 self.kv.truncate(slot, cost.num_blocks_to_move); // blocks not yet computed
+                let first = plan.swap_out.len();
                 self.kv.swap_out(slot, &mut plan.swap_out).expect("restore_cost saw host room");
+                // The dropped copy would have filled its destination only after the swap-out
+                // runs; the source still holds that content when the swap-out runs (the
+                // step's first operation), so the victim's block is read from there.
+                if let Some((src, dst)) = dropped_cow {
+                    for pair in &mut plan.swap_out[first..] {
+                        if pair[0] == dst as i32 {
+                            pair[0] = src as i32;
+                        }
+                    }
+                }
                 r.status = RequestStatus::Swapped;
                 self.counters.num_preemptions_swap += 1;
                 self.counters.num_blocks_swapped_out += cost.num_blocks_to_move as u64;

@@ -4,9 +4,10 @@
 //! row reads back exactly the KV of its own tokens at every position. Then every request must
 //! finish and every block must be free.
 //!
-//! `FERRYMAN_RANDOM_OPS` sets the number of operations (default 100,000).
+//! `FERRYMAN_RANDOM_OPS` sets the number of operations (default 100,000) and
+//! `FERRYMAN_RANDOM_SEED` the first seed (default 0). Runs are deterministic for a seed.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 
 use ferryman_core::{
     FinishReason, Policy, PreemptionModeConfig, RequestParams, Scheduler, SchedulerConfig, SchedulerOutput,
@@ -59,7 +60,7 @@ impl Seq {
 struct Harness {
     s: Scheduler,
     cfg: SchedulerConfig,
-    seqs: HashMap<(i64, i32), Seq>,
+    seqs: BTreeMap<(i64, i32), Seq>,
     device: Vec<u64>,
     host: Vec<u64>,
     next_id: u64,
@@ -76,7 +77,7 @@ impl Harness {
             device: vec![0; (cfg.num_device_blocks + 1) * bs],
             host: vec![0; (cfg.num_host_blocks + 1) * bs],
             cfg,
-            seqs: HashMap::new(),
+            seqs: BTreeMap::new(),
             next_id: 0,
             ops: 0,
         }
@@ -173,7 +174,7 @@ impl Harness {
         self.run_forward(&o);
         // an abort can land between schedule() and update()
         if rng.chance(0.02) {
-            if let Some(&(r, _)) = self.seqs.keys().next() {
+            if let Some((r, _)) = self.pick(rng) {
                 self.abort(r);
                 self.check();
             }
@@ -226,6 +227,12 @@ impl Harness {
         }
     }
 
+    /// A live sequence chosen by the test's RNG (deterministic for a seed).
+    fn pick(&self, rng: &mut Rng) -> Option<(i64, i32)> {
+        let n = self.seqs.len();
+        (n > 0).then(|| *self.seqs.keys().nth(rng.below(n as u64) as usize).expect("n > 0"))
+    }
+
     fn abort(&mut self, req: i64) {
         assert!(self.s.abort_request(req as u64));
         self.seqs.retain(|&(r, _), _| r != req);
@@ -275,10 +282,11 @@ fn random_config(rng: &mut Rng) -> SchedulerConfig {
 fn random_operations_keep_every_invariant() {
     let target: usize = std::env::var("FERRYMAN_RANDOM_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(100_000);
     let mut total = 0;
-    let mut seed = 0u64;
+    let mut seed: u64 = std::env::var("FERRYMAN_RANDOM_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
     let mut preemptions = [0u64; 2];
     while total < target {
         let mut rng = Rng(seed);
+        eprintln!("seed {seed} (rerun alone with FERRYMAN_RANDOM_SEED={seed})"); // shown on failure
         seed += 1;
         let cfg = random_config(&mut rng);
         let mut h = Harness::new(cfg);
@@ -287,7 +295,7 @@ fn random_operations_keep_every_invariant() {
                 0..=2 => h.add(&mut rng),
                 3..=8 => h.step(&mut rng),
                 _ => {
-                    if let Some(&(r, k)) = h.seqs.keys().next() {
+                    if let Some((r, k)) = h.pick(&mut rng) {
                         if rng.chance(0.5) {
                             h.abort(r);
                         } else {

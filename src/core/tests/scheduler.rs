@@ -300,3 +300,29 @@ fn abort_frees_everything_at_once_even_mid_step() {
     assert!(!s.has_unfinished_requests());
     s.check_invariants().unwrap();
 }
+
+#[test]
+fn a_victim_whose_copy_on_write_is_dropped_swaps_out_from_the_copy_source() {
+    // n=3 forks of a 6-token prompt share blocks [1, 2] (block 2 partly filled). Fork 0 copies
+    // block 2 into 3 on write; fork 1 then needs a copy too, but the pool is empty, so auto
+    // preempts fork 0 (the only fork holding a block of its own) by swap. Fork 0's copy is
+    // dropped and block 3 is reused by fork 1's copy, so fork 0's second block must be swapped
+    // out from block 2, which still holds the content when the swap-out runs.
+    let mut c = cfg(4, 3, 4);
+    c.preemption_mode = PreemptionModeConfig::Auto;
+    c.bytes_per_block = 1.0;
+    let mut s = Scheduler::new(c).unwrap();
+    let mut lens = Lens::new();
+    add(&mut s, &mut lens, 16, vec![1, 2, 3, 4, 5, 6], RequestParams { n: 3, ..params(3) });
+    step(&mut s, &mut lens);
+    let (o, _) = step(&mut s, &mut lens);
+    assert_eq!(o.preempted_req_ids, vec![16]);
+    let e = &s.drain_events()[0];
+    assert_eq!((e.seq_index, e.mode), (0, PreemptionMode::Swap));
+    assert_eq!(o.blocks_to_swap_out, vec![[1, 1], [2, 2]]);
+    assert_eq!(o.blocks_to_copy, vec![[2, 3]]);
+    assert_eq!(o.seq_indices, vec![1, 2]);
+    while s.has_unfinished_requests() {
+        step(&mut s, &mut lens);
+    }
+}

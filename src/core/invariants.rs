@@ -63,6 +63,13 @@ impl Scheduler {
                     if queues != (0, 1, 0) || !host_table.is_empty() {
                         return Err(format!("{id} is running but holds host blocks or sits in {queues:?}"));
                     }
+                    // sharing outside the prefix cache comes only from forks, which must be
+                    // marked so that a write into a shared block copies it first
+                    let shared_uncached =
+                        table.iter().any(|&b| kv.device.ref_cnt(b as u32) > 1 && !kv.prefix_cache.is_cached(b as u32));
+                    if shared_uncached && !kv.forked[slot] {
+                        return Err(format!("{id} shares an uncached block but is not marked forked"));
+                    }
                     if table.len() < self.cfg.blocks_for(r.num_computed_tokens) {
                         return Err(format!("{id}'s table does not cover its computed tokens"));
                     }

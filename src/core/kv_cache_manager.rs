@@ -27,6 +27,9 @@ pub struct KvCacheManager {
     pub(crate) enable_prefix_caching: bool,
     pub(crate) tables: Vec<Vec<i32>>,
     pub(crate) host_tables: Vec<Vec<i32>>,
+    /// Slots whose device table may share a partly filled block (set by `fork`, cleared when
+    /// the table is dropped): only they can need a copy-on-write, so others skip the check.
+    pub(crate) forked: Vec<bool>,
 }
 
 /// A copy-on-write the step must run before the forward: (src, dst) device blocks.
@@ -45,6 +48,7 @@ impl KvCacheManager {
             enable_prefix_caching: prefix,
             tables: Vec::new(),
             host_tables: Vec::new(),
+            forked: Vec::new(),
         }
     }
 
@@ -54,6 +58,7 @@ impl KvCacheManager {
         if self.tables.len() < n {
             self.tables.resize_with(n, Vec::new);
             self.host_tables.resize_with(n, Vec::new);
+            self.forked.resize(n, false);
         }
     }
 
@@ -127,17 +132,17 @@ impl KvCacheManager {
     pub fn num_new_blocks(&self, slot: u32, num_computed: usize, num_new: usize) -> usize {
         let table = &self.tables[slot as usize];
         let grow = self.blocks_for(num_computed + num_new).saturating_sub(table.len());
-        grow + usize::from(self.cow_index(table, num_computed).is_some())
+        grow + usize::from(self.cow_index(slot, num_computed).is_some())
     }
 
     /// The index of the shared, partly filled block the next token would be written into.
     #[inline]
-    fn cow_index(&self, table: &[i32], num_computed: usize) -> Option<usize> {
-        if num_computed & (self.block_size - 1) == 0 {
+    fn cow_index(&self, slot: u32, num_computed: usize) -> Option<usize> {
+        if !self.forked[slot as usize] || num_computed & (self.block_size - 1) == 0 {
             return None;
         }
         let i = num_computed >> self.block_shift;
-        table.get(i).filter(|&&b| self.device.ref_cnt(b as u32) > 1).map(|_| i)
+        self.tables[slot as usize].get(i).filter(|&&b| self.device.ref_cnt(b as u32) > 1).map(|_| i)
     }
 
     /// Makes the table cover `num_computed + num_new` tokens, copying a shared partly filled
@@ -146,7 +151,7 @@ impl KvCacheManager {
     pub fn allocate_slots(&mut self, slot: u32, num_computed: usize, num_new: usize) -> Option<Option<BlockCopy>> {
         let s = slot as usize;
         let want = self.blocks_for(num_computed + num_new);
-        let cow_idx = self.cow_index(&self.tables[s], num_computed);
+        let cow_idx = self.cow_index(slot, num_computed);
         let need = want.saturating_sub(self.tables[s].len()) + usize::from(cow_idx.is_some());
         if need == 0 {
             return Some(None); // most decodes: the last block has room
@@ -182,6 +187,7 @@ impl KvCacheManager {
     /// Drops the slot's device references, last block first, so that a prefix is evicted from
     /// its tail. Cached blocks keep their content for later hits. Returns the blocks freed.
     pub fn free(&mut self, slot: u32) -> usize {
+        self.forked[slot as usize] = false;
         let table = std::mem::take(&mut self.tables[slot as usize]);
         let mut freed = 0;
         for &b in table.iter().rev() {
@@ -211,6 +217,8 @@ impl KvCacheManager {
             self.device.touch(b as u32);
         }
         self.tables[child as usize] = t;
+        self.forked[parent as usize] = true;
+        self.forked[child as usize] = true;
     }
 
     /// Registers the slot's blocks `from..to` under `hashes[from..to]` in the prefix cache.

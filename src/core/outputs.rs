@@ -56,6 +56,14 @@ impl SchedulerOutput {
     pub fn num_scheduled_tokens(&self) -> usize {
         self.input_ids.len()
     }
+    /// Requests waiting after this step was planned.
+    pub fn num_waiting(&self) -> usize {
+        self.stats.num_waiting
+    }
+    /// Requests running after this step was planned.
+    pub fn num_running(&self) -> usize {
+        self.stats.num_running
+    }
 }
 
 /// Per-step numbers for traces and metrics.

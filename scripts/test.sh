@@ -1,24 +1,16 @@
 #!/usr/bin/env bash
-# ferryman's whole test suite: sets up (or reuses) a virtual environment, builds the extension,
-# and runs every gate of DEVELOPERS.md, cheapest first. Exits non-zero on the first failure.
+# ferryman's whole test suite: sets up (or reuses) a virtual environment (setup.sh), builds the
+# extension, and runs every gate of DEVELOPERS.md, cheapest first. Exits non-zero on the first
+# failure.
 #
-#   FERRYMAN_VENV       virtual environment to use/create (default ~/.cache/ferryman/venv)
-#   CARGO_TARGET_DIR    cargo build folder (default ~/.cache/ferryman/target, a cache only)
 #   FERRYMAN_RANDOM_OPS operations of the randomized core test (default here 500000)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-VENV=${FERRYMAN_VENV:-$HOME/.cache/ferryman/venv}
-export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/ferryman/target}
 step() { printf '\n==> %s\n' "$*"; }
 
-step "python environment ($VENV)"
-if [ ! -x "$VENV/bin/python" ]; then
-  python3 -m venv "$VENV"
-fi
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check -r requirements-dev.txt
-export VIRTUAL_ENV="$VENV" PATH="$VENV/bin:$PATH"
-export PYO3_PYTHON="$VENV/bin/python"
+step "python environment and dependencies"
+source scripts/setup.sh
 
 step "cargo fmt --check"
 cargo fmt --all --check
@@ -33,7 +25,7 @@ cargo test -p ferryman-core
 step "criterion benches, once each in test mode"
 cargo test -p ferryman-core --benches
 step "maturin develop --release"
-maturin develop --release --quiet
+ferryman_build
 step "mypy + stubtest"
 mypy
 python -m mypy.stubtest ferryman._core

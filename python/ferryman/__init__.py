@@ -2,6 +2,8 @@
 KV cache is full. The Rust core (``ferryman._core``) schedules and manages KV blocks; Python runs
 the model."""
 
+from typing import TYPE_CHECKING, Any
+
 from ferryman._core import (
     EngineError,
     InvalidRequestError,
@@ -11,10 +13,29 @@ from ferryman._core import (
     StepOutputs,
     __version__,
 )
+from ferryman.outputs import CompletionOutput, RequestOutput
+from ferryman.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ferryman.engine import Engine
+
+
+def __getattr__(name: str) -> Any:
+    # Engine pulls in torch; import it only when asked for, so the core stays light.
+    if name == "Engine":
+        from ferryman.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'ferryman' has no attribute {name!r}")
+
 
 __all__ = [
+    "CompletionOutput",
+    "Engine",
     "EngineError",
     "InvalidRequestError",
+    "RequestOutput",
+    "SamplingParams",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",

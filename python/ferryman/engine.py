@@ -1,0 +1,264 @@
+"""Engine: loads a model, owns the KV tensors, and runs steps — ``schedule()`` in Rust, the plans
+and the forward in torch, sampling, then ``update()`` in Rust; detokenizes and applies stop
+strings. The API mirrors vLLM's ``LLM`` (``generate``) and ``LLMEngine`` (``add_request`` /
+``step``)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from ferryman._core import InvalidRequestError, Scheduler, SchedulerConfig
+from ferryman.model_loader import DEFAULT_MODEL, load_model
+from ferryman.outputs import CompletionOutput, RequestOutput
+from ferryman.sampling_params import SamplingParams
+from ferryman.worker.kv_cache import KvCache
+from ferryman.worker.model_runner import ModelRunner
+from ferryman.worker.sampler import sample
+
+Prompt = str | Sequence[int]
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    outputs: list[CompletionOutput]
+
+
+def _device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if dtype not in names:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(names)}, got {dtype!r}")
+    return names[dtype]
+
+
+class Engine:
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str = "auto",
+        block_size: int = 16,
+        max_num_batched_tokens: int | None = None,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        num_device_blocks: int | None = None,
+        num_host_blocks: int | None = None,
+        swap_space: float = 4,
+        kv_cache_memory: int = 512 << 20,
+        preemption_mode: str = "auto",
+        policy: str = "fcfs",
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        seed: int = 0,
+    ) -> None:
+        self.device = _device(device)
+        self.dtype = _dtype(dtype, self.device)
+        self.model, self.tokenizer = load_model(model, self.dtype, self.device)
+        mc = self.model.cfg
+        bpb = KvCache.bytes_per_block(mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        self.max_model_len = max_model_len or mc.max_position_embeddings
+        if num_device_blocks is None:
+            num_device_blocks = max(1, kv_cache_memory // bpb)
+        if num_host_blocks is None:
+            num_host_blocks = int(swap_space * (1 << 30)) // bpb
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, self.max_model_len)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                block_size=block_size,
+                num_device_blocks=num_device_blocks,
+                num_host_blocks=num_host_blocks,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=enable_chunked_prefill,
+                enable_prefix_caching=enable_prefix_caching,
+                preemption_mode=preemption_mode,
+                policy=policy,
+                bytes_per_block=float(bpb),
+            )
+        )
+        self.kv = KvCache(
+            mc.num_layers, num_device_blocks, num_host_blocks, block_size, mc.num_kv_heads, mc.head_dim,
+            self.dtype, self.device,
+        )  # fmt: skip
+        self.runner = ModelRunner(self.model, self.kv, block_size, self.device)
+        self.eos_token_ids = list(mc.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids = [self.tokenizer.eos_token_id, *self.eos_token_ids]
+        self._rng = random.Random(seed)
+        self._reqs: dict[int, _Request] = {}
+        self._core_ids: dict[str, int] = {}
+        self._next_id = 0
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
+        """Queues a request; raises ``InvalidRequestError`` (a ``ValueError``) if it can never run."""
+        params = params or SamplingParams()
+        if request_id in self._core_ids:
+            raise InvalidRequestError(f"request {request_id!r} already exists")
+        text, ids = self._tokenize(prompt)
+        eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))
+        core_id = self._next_id
+        self.scheduler.add_request(
+            core_id,
+            ids,
+            max_tokens,
+            priority=params.priority,
+            eos_token_id=eos,
+            stop_token_ids=[*params.stop_token_ids, *self.eos_token_ids[1:]] if not params.ignore_eos
+            else list(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
+            n=params.n,
+        )  # fmt: skip
+        self._next_id += 1
+        seed = params.seed if params.seed is not None else self._rng.randrange(1 << 40)
+        outs = [CompletionOutput(index=k) for k in range(params.n)]
+        self._reqs[core_id] = _Request(request_id, text, ids, params, seed, outs)
+        self._core_ids[request_id] = core_id
+
+    def abort_request(self, request_id: str) -> bool:
+        core_id = self._core_ids.pop(request_id, None)
+        if core_id is None:
+            return False
+        self._reqs.pop(core_id, None)
+        return self.scheduler.abort_request(core_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def stats(self) -> dict[str, Any]:
+        st: dict[str, Any] = dict(self.scheduler.stats())
+        st["events"] = self.scheduler.drain_events()
+        return st
+
+    # -- stepping ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one step; returns the requests that produced a token (finished ones marked)."""
+        out = self.scheduler.schedule()
+        logits = self.runner.execute(out)
+        sampled = self._sample(logits, out.sample_req_ids, out.sample_seq_indices)
+        res = self.scheduler.update(sampled)
+        touched: dict[int, _Request] = {}
+        for rid, k, tok, reason in zip(
+            res.req_ids.tolist(),
+            res.seq_indices.tolist(),
+            res.new_token_ids.tolist(),
+            res.finish_reasons,
+            strict=True,
+        ):
+            req = self._reqs.get(rid)
+            if req is None:
+                continue
+            self._append(rid, req, req.outputs[k], tok, reason)
+            touched[rid] = req
+        results = []
+        for rid, req in touched.items():
+            done = all(o.finish_reason is not None for o in req.outputs)
+            results.append(RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.outputs, done))
+            if done:
+                del self._reqs[rid]
+                self._core_ids.pop(req.request_id, None)
+        return results
+
+    def _sample(self, logits: torch.Tensor, req_ids: np.ndarray, seq_indices: np.ndarray) -> np.ndarray:
+        if len(req_ids) == 0:
+            return np.zeros(0, dtype=np.int32)
+        reqs = [self._reqs[r] for r in req_ids.tolist()]
+        ks = seq_indices.tolist()
+        ps = [r.params for r in reqs]
+        dev = logits.device
+        positions = [
+            len(r.prompt_token_ids) + len(r.outputs[k].token_ids) for r, k in zip(reqs, ks, strict=True)
+        ]
+        tokens = sample(
+            logits,
+            torch.tensor([p.temperature for p in ps], device=dev),
+            torch.tensor([p.top_k for p in ps], device=dev),
+            torch.tensor([p.top_p for p in ps], device=dev),
+            torch.tensor([p.min_p for p in ps], device=dev),
+            torch.tensor([r.seed + 1000003 * k for r, k in zip(reqs, ks, strict=True)], device=dev),
+            torch.tensor(positions, device=dev),
+        )
+        return tokens.cpu().numpy()
+
+    def _append(self, rid: int, req: _Request, out: CompletionOutput, tok: int, reason: str | None) -> None:
+        out.token_ids.append(tok)
+        if self.tokenizer is not None:
+            out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            for s in req.params.stop:
+                at = out.text.find(s)
+                if at >= 0:
+                    out.text = out.text[:at]
+                    if reason is None:
+                        self.scheduler.finish_request(rid, "stop", out.index)
+                    reason = "stop"
+                    break
+        out.finish_reason = reason
+
+    # -- offline batch -------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in input order."""
+        plist: list[Prompt]
+        if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int)):
+            plist = [cast(Prompt, prompts)]
+        else:
+            plist = list(cast(Sequence[Prompt], prompts))
+        params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(plist)
+        ids = [f"generate-{self._next_id + i}" for i in range(len(plist))]
+        for rid, p, sp in zip(ids, plist, params, strict=True):
+            self.add_request(rid, p, sp)
+        final: dict[str, RequestOutput] = {}
+        bar = _progress(len(plist)) if use_tqdm else None
+        while len(final) < len(ids) and self.has_unfinished_requests():
+            for ro in self.step():
+                if ro.finished:
+                    final[ro.request_id] = ro
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [final[rid] for rid in ids]
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: pass prompts as token-id lists")
+            return prompt, list(self.tokenizer.encode(prompt))
+        return None, [int(t) for t in prompt]
+
+
+def _progress(total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req")

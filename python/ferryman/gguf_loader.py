@@ -1,0 +1,122 @@
+"""Loading a Llama-family model from a GGUF file through the ``gguf`` package.
+
+Every tensor is dequantized to the engine dtype (whatever ``gguf.quants`` supports: F32, F16,
+BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, ...). llama.cpp's converter permutes the rows of the q and k
+projections of ``llama`` models (it interleaves each head's two rotary halves); that is undone
+here so the Hugging Face RoPE convention applies. The config, tokenizer, special tokens and chat
+template come from the file's metadata.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ferryman.models.llama import LlamaForCausalLM, ModelConfig, rope_inv_freq
+
+_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "q_proj",
+    "attn_k": "k_proj",
+    "attn_v": "v_proj",
+    "attn_output": "o_proj",
+    "attn_q_norm": "q_norm",
+    "attn_k_norm": "k_norm",
+    "ffn_gate": "gate_proj",
+    "ffn_up": "up_proj",
+    "ffn_down": "down_proj",
+}
+
+
+def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of llama.cpp's q/k row permutation for ``n_head`` heads."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _meta(reader: Any) -> dict[str, Any]:
+    skip = (
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.merges",
+        "tokenizer.ggml.token_type",
+        "tokenizer.ggml.scores",
+    )
+    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith(skip)}
+
+
+def config_from_gguf(meta: dict[str, Any], vocab_size: int) -> ModelConfig:
+    arch = meta["general.architecture"]
+    if arch not in _ARCH:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCH)}")
+    heads = int(meta[f"{arch}.attention.head_count"])
+    hidden = int(meta[f"{arch}.embedding_length"])
+    hf = {
+        "architectures": [_ARCH[arch]],
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": int(meta[f"{arch}.feed_forward_length"]),
+        "num_hidden_layers": int(meta[f"{arch}.block_count"]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
+        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 4096)),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+    return ModelConfig.from_hf(hf)
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, Any]:
+    """Returns the model (eval mode) and its tokenizer (with the file's chat template)."""
+    import gguf
+
+    path = Path(path)
+    reader = gguf.GGUFReader(str(path))
+    meta = _meta(reader)
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    cfg = config_from_gguf(meta, vocab)
+    permuted = meta["general.architecture"] == "llama"
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        w = w.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+        tensors[_hf_name(t.name)] = w
+    if "lm_head.weight" not in tensors:
+        cfg.tie_word_embeddings = True
+    if permuted:
+        for i in range(cfg.num_layers):
+            q, k = f"model.layers.{i}.q_proj.weight", f"model.layers.{i}.k_proj.weight"
+            tensors[q] = unpermute_rows(tensors[q], cfg.num_heads)
+            tensors[k] = unpermute_rows(tensors[k], cfg.num_kv_heads)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    model.load_hf_state_dict(tensors)
+    model.inv_freq = rope_inv_freq(cfg).to(device)
+    model.eval()
+    return model, _tokenizer(path)
+
+
+def _hf_name(name: str) -> str:
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output_norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    parts = name.split(".")  # blk.N.kind.weight|bias
+    if parts[0] == "blk" and parts[2] in _LAYER:
+        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{parts[3]}"
+    return name
+
+
+def _tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -1,0 +1,217 @@
+"""The Llama family in one implementation: RMSNorm, RoPE (default, linear, llama3 scaling),
+SwiGLU, grouped-query attention, optional q/k bias (Qwen2) and q/k RMSNorm (Qwen3), tied
+embeddings (SmolLM2).
+
+The model runs on a flat batch of tokens ``[T]`` (every request's scheduled tokens back to back)
+and leaves attention over the paged KV cache to an ``AttentionBackend``; it never sees requests.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+}
+
+
+class Attention(Protocol):
+    """What a layer needs from the attention backend (see ``ferryman.attention``)."""
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The fields of a Hugging Face ``config.json`` this implementation uses."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    eos_token_ids: list[int]
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
+        archs = d.get("architectures") or ["LlamaForCausalLM"]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        heads = int(d["num_attention_heads"])
+        rope = dict(d.get("rope_parameters") or {})  # transformers 5 style
+        scaling = d.get("rope_scaling") or None
+        if scaling is None and rope.get("rope_type", "default") != "default":
+            scaling = rope
+        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        eos = d.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            architecture=arch,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            eos_token_ids=eos_ids,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies, with the scaling types Llama-family configs use."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    s = cfg.rope_scaling
+    kind = (s or {}).get("rope_type", (s or {}).get("type", "default"))
+    if s is None or kind == "default":
+        return inv.float()
+    if kind == "linear":
+        return (inv / float(s["factor"])).float()
+    if kind == "llama3":
+        factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+        old_len = float(s["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(is_mid, mid, scaled).float()
+    raise NotImplementedError(f"rope scaling type {kind!r} is not supported")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.idx, self.nq, self.nkv, self.d = idx, cfg.num_heads, cfg.num_kv_heads, d
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        b = cfg.attention_bias
+        self.q_proj = nn.Linear(h, self.nq * d, bias=b)
+        self.k_proj = nn.Linear(h, self.nkv * d, bias=b)
+        self.v_proj = nn.Linear(h, self.nkv * d, bias=b)
+        self.o_proj = nn.Linear(self.nq * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Attention) -> torch.Tensor:
+        t = x.shape[0]
+        h = self.input_layernorm(x)
+        q = self.q_proj(h).view(t, self.nq, self.d)
+        k = self.k_proj(h).view(t, self.nkv, self.d)
+        v = self.v_proj(h).view(t, self.nkv, self.d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        o = attn.forward(self.idx, q, k, v)
+        x = x + self.o_proj(o.reshape(t, self.nq * self.d))
+        h = self.post_attention_layernorm(x)
+        out: torch.Tensor = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return out
+
+
+class LlamaForCausalLM(nn.Module):
+    """Weights use Hugging Face's names minus the ``model.`` / ``self_attn.`` / ``mlp.`` levels;
+    ``load_hf_state_dict`` maps them."""
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` of a flat token batch."""
+        x = self.embed_tokens(input_ids)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos()[:, None, :].to(x.dtype)
+        sin = emb.sin()[:, None, :].to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        out: torch.Tensor = self.norm(x)
+        return out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[S, vocab]`` of the rows to sample."""
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, w).float()
+
+    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Loads weights named as in a Hugging Face checkpoint; names every missing tensor."""
+        own = self.state_dict()
+        mapped: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            key = name.removeprefix("model.").replace("self_attn.", "").replace("mlp.", "")
+            if key == "lm_head.weight" and self.lm_head is None:
+                continue
+            if key in own:
+                mapped[key] = t
+        missing = sorted(set(own) - set(mapped))
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+        for key, t in mapped.items():
+            if tuple(t.shape) != tuple(own[key].shape):
+                raise ValueError(
+                    f"tensor {key}: checkpoint shape {tuple(t.shape)} != {tuple(own[key].shape)}"
+                )
+        self.load_state_dict(mapped, strict=True)

@@ -1,0 +1,1 @@
+"""The worker side of a step: KV tensors, the model runner, sampling."""

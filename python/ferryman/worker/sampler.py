@@ -1,0 +1,63 @@
+"""Vectorized sampling: greedy, temperature, top-k, top-p, min-p, one batched pass.
+
+Random rows use an exponential race (argmax of p / E with E ~ Exp(1)) whose noise is a
+counter-based hash of (request seed, position, token id), so a request's samples depend only on
+its own seed and position — never on the batch it ran in or on other requests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_M52 = (1 << 52) - 1
+_M35 = (1 << 35) - 1
+
+
+def _uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniform (0, 1) noise ``[S, vocab]`` from int64 counters (wrapping arithmetic)."""
+    idx = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
+    x = seeds[:, None] * 6364136223846793005 + positions[:, None] * 1442695040888963407 + idx[None, :]
+    for _ in range(3):
+        x = x ^ ((x >> 29) & _M35)
+        x = x * 2685821657736338717
+    u = ((x >> 11) & _M52).double() / float(1 << 52)
+    return u.clamp_(1e-12, 1.0 - 1e-12)
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """One token per row of float32 ``logits [S, V]``; per-row parameters are 1-D tensors
+    (``top_k <= 0`` means off). Rows with ``temperature == 0`` take the argmax."""
+    greedy = logits.argmax(dim=-1)
+    rand = temperature > 0
+    if not bool(rand.any()):
+        return greedy.to(torch.int32)
+    lg = logits[rand] / temperature[rand, None]
+    vocab = lg.shape[-1]
+    k = top_k[rand]
+    if bool((k > 0).any()):
+        kk = torch.where(k > 0, k, vocab).clamp(max=vocab)
+        kth = lg.sort(dim=-1, descending=True).values.gather(1, (kk - 1)[:, None])
+        lg = lg.masked_fill(lg < kth, float("-inf"))
+    p = top_p[rand]
+    if bool((p < 1).any()):
+        sorted_lg, order = lg.sort(dim=-1, descending=True)
+        probs = sorted_lg.softmax(dim=-1)
+        drop = probs.cumsum(dim=-1) - probs > p[:, None]  # keep the smallest prefix reaching p
+        lg = lg.scatter(1, order, sorted_lg.masked_fill(drop, float("-inf")))
+    probs = lg.softmax(dim=-1)
+    mp = min_p[rand]
+    if bool((mp > 0).any()):
+        probs = probs.masked_fill(probs < mp[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+    noise = -torch.log(_uniform(seeds[rand], positions[rand], vocab))
+    chosen = (probs.double() / noise).argmax(dim=-1)
+    out = greedy.clone()
+    out[rand] = chosen
+    return out.to(torch.int32)

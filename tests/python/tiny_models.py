@@ -1,0 +1,48 @@
+"""Tiny random Llama-family checkpoints written with transformers into a temp folder (no
+downloads). Weights get a wide spread so that greedy choices are not near-ties."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def build(kind: str, root: Path, seed: int = 0) -> Path:
+    import transformers as tf
+
+    common = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    if kind == "llama":
+        cfg = tf.LlamaConfig(**common, tie_word_embeddings=False)
+        model_cls = tf.LlamaForCausalLM
+    elif kind == "qwen2":
+        cfg = tf.Qwen2Config(**common, tie_word_embeddings=True)
+        model_cls = tf.Qwen2ForCausalLM
+    elif kind == "qwen3":
+        cfg = tf.Qwen3Config(**common, head_dim=24, tie_word_embeddings=False)
+        model_cls = tf.Qwen3ForCausalLM
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(seed)
+    model = model_cls(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.2 * torch.randn_like(p))
+    out = root / kind
+    model.save_pretrained(out)
+    return out

@@ -250,11 +250,24 @@ class Engine:
             bar.close()
         return [final[rid] for rid in ids]
 
+    def chat(
+        self,
+        messages: list[dict[str, str]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = False,
+    ) -> RequestOutput:
+        """Applies the model's chat template to ``messages`` and generates the reply."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("this model has no chat template")
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.generate([prompt], sampling_params, use_tqdm)[0]
+
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer: pass prompts as token-id lists")
-            return prompt, list(self.tokenizer.encode(prompt))
+            ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))
+            return prompt, ids
         return None, [int(t) for t in prompt]
 
 

@@ -105,7 +105,15 @@ def test_bad_requests_are_rejected_and_others_keep_running(models: dict[str, Pat
         eng.add_request("long", list(range(60)), SamplingParams(max_tokens=10))
     with pytest.raises(InvalidRequestError, match="tokenizer"):
         eng.add_request("text", "no tokenizer here", None)
-    with pytest.raises(ValueError, match="temperature"):
-        SamplingParams(temperature=-1)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        eng.add_request("empty", [], None)
+    bad_values = [{"temperature": -1}, {"max_tokens": 0}, {"top_p": 0.0}, {"top_k": -2}]
+    for bad in [*bad_values, {"min_p": 2}, {"n": 0}]:
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)  # type: ignore[arg-type]
+    eng.add_request("ok", [3, 4, 5], SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="already exists"):
+        eng.add_request("ok", [3], None)
+    assert eng.abort_request("ok") and not eng.abort_request("ok")
     out = eng.generate([PROMPTS[0]], GREEDY)
     assert len(out[0].outputs[0].token_ids) == 12

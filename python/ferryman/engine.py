@@ -111,6 +111,7 @@ class Engine:
         self._reqs: dict[int, _Request] = {}
         self._core_ids: dict[str, int] = {}
         self._next_id = 0
+        self.peak_blocks_used = 0
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -160,6 +161,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns the requests that produced a token (finished ones marked)."""
         out = self.scheduler.schedule()
+        used = self.kv.device_kv.shape[1] - 1 - out.num_free_device_blocks
+        self.peak_blocks_used = max(self.peak_blocks_used, used)
         logits = self.runner.execute(out)
         sampled = self._sample(logits, out.sample_req_ids, out.sample_seq_indices)
         res = self.scheduler.update(sampled)

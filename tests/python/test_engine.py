@@ -117,3 +117,18 @@ def test_bad_requests_are_rejected_and_others_keep_running(models: dict[str, Pat
     assert eng.abort_request("ok") and not eng.abort_request("ok")
     out = eng.generate([PROMPTS[0]], GREEDY)
     assert len(out[0].outputs[0].token_ids) == 12
+
+
+def test_bench_throughput_smoke(models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from ferryman.cli import main
+
+    args = ["bench", "throughput", "--model", str(models["llama"]), "--num-prompts", "6"]
+    args += ["--input-len", "4:12", "--output-len", "2:8", "--token-range", "3:90", "--pool-fraction", "0.5"]
+    assert main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    ours, hf = report["ferryman"], report["transformers"]
+    assert ours["output_tokens"] == hf["output_tokens"] == report["ferryman_ample"]["output_tokens"]
+    assert ours["num_device_blocks"] < report["ferryman_ample"]["num_device_blocks"]
+    assert report["ratio_vs_transformers"] > 0 and report["ratio_vs_ample"] > 0

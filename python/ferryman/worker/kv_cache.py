@@ -28,7 +28,9 @@ class KvCache:
             (shape[0], num_device_blocks + 1, *shape[1:]), dtype=dtype, device=device
         )
         pin = device.type == "cuda"
-        self.host_kv = torch.zeros((shape[0], num_host_blocks + 1, *shape[1:]), dtype=dtype, pin_memory=pin)
+        # host blocks are always written (swap-out) before they are read, so their memory is
+        # left untouched until used; device blocks are zeroed because the null block pads reads
+        self.host_kv = torch.empty((shape[0], num_host_blocks + 1, *shape[1:]), dtype=dtype, pin_memory=pin)
 
     @staticmethod
     def bytes_per_block(

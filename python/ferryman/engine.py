@@ -6,6 +6,7 @@ strings. The API mirrors vLLM's ``LLM`` (``generate``) and ``LLMEngine`` (``add_
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -17,6 +18,7 @@ from ferryman._core import InvalidRequestError, Scheduler, SchedulerConfig
 from ferryman.model_loader import DEFAULT_MODEL, load_model
 from ferryman.outputs import CompletionOutput, RequestOutput
 from ferryman.sampling_params import SamplingParams
+from ferryman.worker.calibrate import host_link_bytes_per_s, prefill_tokens_per_s
 from ferryman.worker.kv_cache import KvCache
 from ferryman.worker.model_runner import ModelRunner
 from ferryman.worker.sampler import sample
@@ -71,6 +73,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         seed: int = 0,
+        calibrate: bool = True,
     ) -> None:
         self.device = _device(device)
         self.dtype = _dtype(dtype, self.device)
@@ -84,6 +87,21 @@ class Engine:
             num_host_blocks = int(swap_space * (1 << 30)) // bpb
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, self.max_model_len)
+        self.kv = KvCache(
+            mc.num_layers, num_device_blocks, num_host_blocks, block_size, mc.num_kv_heads, mc.head_dim,
+            self.dtype, self.device,
+        )  # fmt: skip
+        self.runner = ModelRunner(self.model, self.kv, block_size, self.device)
+        self.calibration: dict[str, float] = {}
+        started = time.perf_counter()
+        if calibrate:
+            link = host_link_bytes_per_s(self.kv, bpb)
+            if link is not None:
+                self.calibration["host_link_bytes_per_s"] = link
+            self.calibration["prefill_tokens_per_s"] = prefill_tokens_per_s(
+                self.runner, block_size, num_device_blocks
+            )
+        self.calibration_s = time.perf_counter() - started
         self.scheduler = Scheduler(
             SchedulerConfig(
                 block_size=block_size,
@@ -97,13 +115,9 @@ class Engine:
                 preemption_mode=preemption_mode,
                 policy=policy,
                 bytes_per_block=float(bpb),
+                **self.calibration,
             )
         )
-        self.kv = KvCache(
-            mc.num_layers, num_device_blocks, num_host_blocks, block_size, mc.num_kv_heads, mc.head_dim,
-            self.dtype, self.device,
-        )  # fmt: skip
-        self.runner = ModelRunner(self.model, self.kv, block_size, self.device)
         self.eos_token_ids = list(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids = [self.tokenizer.eos_token_id, *self.eos_token_ids]
@@ -154,6 +168,13 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         st: dict[str, Any] = dict(self.scheduler.stats())
         st["events"] = self.scheduler.drain_events()
+        cfg = self.scheduler.config
+        st["cost_model"] = {
+            "bytes_per_block": cfg.bytes_per_block,
+            "host_link_bytes_per_s": cfg.host_link_bytes_per_s,
+            "prefill_tokens_per_s": cfg.prefill_tokens_per_s,
+            "calibrated": sorted(self.calibration),
+        }
         return st
 
     # -- stepping ------------------------------------------------------------------------------

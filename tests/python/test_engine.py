@@ -132,3 +132,24 @@ def test_bench_throughput_smoke(models: dict[str, Path], capsys: pytest.CaptureF
     assert ours["output_tokens"] == hf["output_tokens"] == report["ferryman_ample"]["output_tokens"]
     assert ours["num_device_blocks"] < report["ferryman_ample"]["num_device_blocks"]
     assert report["ratio_vs_transformers"] > 0 and report["ratio_vs_ample"] > 0
+
+
+def test_start_up_calibration_feeds_the_cost_model(models: dict[str, Path]) -> None:
+    import time
+
+    t = time.perf_counter()
+    eng = Engine(str(models["llama"]), block_size=4, num_device_blocks=64, num_host_blocks=32)
+    assert time.perf_counter() - t < 30  # loading included; calibration itself is two tiny forwards
+    assert 0 < eng.calibration_s < 5
+    cm = eng.stats()["cost_model"]
+    assert cm["calibrated"] == ["host_link_bytes_per_s", "prefill_tokens_per_s"]
+    assert cm["host_link_bytes_per_s"] == eng.calibration["host_link_bytes_per_s"] > 0
+    assert cm["prefill_tokens_per_s"] == eng.calibration["prefill_tokens_per_s"] > 0
+    no_host = Engine(
+        str(models["llama"]), block_size=4, num_device_blocks=64, num_host_blocks=0, calibrate=True
+    )
+    assert no_host.stats()["cost_model"]["calibrated"] == ["prefill_tokens_per_s"]
+    assert (
+        no_host.generate([PROMPTS[0]], GREEDY)[0].outputs[0].token_ids
+        == eng.generate([PROMPTS[0]], GREEDY)[0].outputs[0].token_ids
+    )

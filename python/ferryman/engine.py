@@ -188,17 +188,18 @@ class Engine:
         sampled = self._sample(logits, out.sample_req_ids, out.sample_seq_indices)
         res = self.scheduler.update(sampled)
         touched: dict[int, _Request] = {}
-        for rid, k, tok, reason in zip(
-            res.req_ids.tolist(),
-            res.seq_indices.tolist(),
-            res.new_token_ids.tolist(),
-            res.finish_reasons,
-            strict=True,
-        ):
+        ids, ks, toks = res.req_ids.tolist(), res.seq_indices.tolist(), res.new_token_ids.tolist()
+        rows = zip(ids, ks, toks, res.finish_reasons, strict=True)
+        for row, (rid, k, tok, reason) in enumerate(rows):
             req = self._reqs.get(rid)
             if req is None:
                 continue
             self._append(rid, req, req.outputs[k], tok, reason)
+            lp = self._logprobs[row]
+            if lp is not None:
+                o = req.outputs[k]
+                o.logprobs = [*(o.logprobs or []), lp]
+                o.cumulative_logprob = (o.cumulative_logprob or 0.0) + lp[tok]
             touched[rid] = req
         results = []
         for rid, req in touched.items():
@@ -210,6 +211,7 @@ class Engine:
         return results
 
     def _sample(self, logits: torch.Tensor, req_ids: np.ndarray, seq_indices: np.ndarray) -> np.ndarray:
+        self._logprobs: list[dict[int, float] | None] = [None] * len(req_ids)
         if len(req_ids) == 0:
             return np.zeros(0, dtype=np.int32)
         reqs = [self._reqs[r] for r in req_ids.tolist()]
@@ -228,7 +230,29 @@ class Engine:
             torch.tensor([r.seed + 1000003 * k for r, k in zip(reqs, ks, strict=True)], device=dev),
             torch.tensor(positions, device=dev),
         )
+        self._logprobs = self._gather_logprobs(logits, tokens, [p.logprobs for p in ps])
         return tokens.cpu().numpy()
+
+    @staticmethod
+    def _gather_logprobs(
+        logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int | None]
+    ) -> list[dict[int, float] | None]:
+        """For rows that ask for logprobs: the sampled token's and the top-N of the model's
+        distribution (log-softmax of the raw logits), as ``{token_id: logprob}``."""
+        rows = [i for i, n in enumerate(wanted) if n is not None]
+        out: list[dict[int, float] | None] = [None] * len(wanted)
+        if not rows:
+            return out
+        lp = torch.log_softmax(logits[rows], dim=-1)
+        top = max(wanted[i] or 0 for i in rows)
+        vals, ids = lp.topk(top, dim=-1) if top > 0 else (lp[:, :0], lp[:, :0].long())
+        chosen = lp.gather(1, tokens[rows].long()[:, None])[:, 0]
+        for j, i in enumerate(rows):
+            n = wanted[i] or 0
+            d = {int(t): float(v) for t, v in zip(ids[j, :n].tolist(), vals[j, :n].tolist(), strict=True)}
+            d[int(tokens[i])] = float(chosen[j])
+            out[i] = d
+        return out
 
     def _append(self, rid: int, req: _Request, out: CompletionOutput, tok: int, reason: str | None) -> None:
         out.token_ids.append(tok)

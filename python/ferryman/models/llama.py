@@ -179,6 +179,19 @@ class LlamaForCausalLM(nn.Module):
         )
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
+    @classmethod
+    def from_tensors(
+        cls, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+    ) -> LlamaForCausalLM:
+        """The model in eval mode on ``device``, built without initialising weights and loaded
+        from Hugging Face-named ``tensors``; the RoPE frequencies stay float32."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        model = model.to_empty(device=device).to(dtype)
+        model.load_hf_state_dict(tensors)
+        model.inv_freq = rope_inv_freq(cfg).to(device)  # to_empty leaves buffers unset
+        return model.eval()
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of a flat token batch."""
         x = self.embed_tokens(input_ids)

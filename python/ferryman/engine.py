@@ -136,6 +136,9 @@ class Engine:
             raise InvalidRequestError(f"request {request_id!r} already exists")
         text, ids = self._tokenize(prompt)
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        # the core takes one EOS id; the model's other EOS ids stop the request as stop ids
+        extra_eos = [] if params.ignore_eos else self.eos_token_ids[1:]
+        stop_ids = [*params.stop_token_ids, *extra_eos]
         max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))
         core_id = self._next_id
         self.scheduler.add_request(
@@ -144,11 +147,10 @@ class Engine:
             max_tokens,
             priority=params.priority,
             eos_token_id=eos,
-            stop_token_ids=[*params.stop_token_ids, *self.eos_token_ids[1:]] if not params.ignore_eos
-            else list(params.stop_token_ids),
+            stop_token_ids=stop_ids,
             ignore_eos=params.ignore_eos,
             n=params.n,
-        )  # fmt: skip
+        )
         self._next_id += 1
         seed = params.seed if params.seed is not None else self._rng.randrange(1 << 40)
         outs = [CompletionOutput(index=k) for k in range(params.n)]
@@ -185,7 +187,7 @@ class Engine:
         used = self.kv.device_kv.shape[1] - 1 - out.num_free_device_blocks
         self.peak_blocks_used = max(self.peak_blocks_used, used)
         logits = self.runner.execute(out)
-        sampled = self._sample(logits, out.sample_req_ids, out.sample_seq_indices)
+        sampled, logprobs = self._sample(logits, out.sample_req_ids, out.sample_seq_indices)
         res = self.scheduler.update(sampled)
         touched: dict[int, _Request] = {}
         ids, ks, toks = res.req_ids.tolist(), res.seq_indices.tolist(), res.new_token_ids.tolist()
@@ -195,7 +197,7 @@ class Engine:
             if req is None:
                 continue
             self._append(rid, req, req.outputs[k], tok, reason)
-            lp = self._logprobs[row]
+            lp = logprobs[row]
             if lp is not None:
                 o = req.outputs[k]
                 if o.logprobs is None:
@@ -212,10 +214,12 @@ class Engine:
                 self._core_ids.pop(req.request_id, None)
         return results
 
-    def _sample(self, logits: torch.Tensor, req_ids: np.ndarray, seq_indices: np.ndarray) -> np.ndarray:
-        self._logprobs: list[dict[int, float] | None] = [None] * len(req_ids)
+    def _sample(
+        self, logits: torch.Tensor, req_ids: np.ndarray, seq_indices: np.ndarray
+    ) -> tuple[np.ndarray, list[dict[int, float] | None]]:
+        """One token per sample row, and per row the logprobs it asked for (else None)."""
         if len(req_ids) == 0:
-            return np.zeros(0, dtype=np.int32)
+            return np.zeros(0, dtype=np.int32), []
         reqs = [self._reqs[r] for r in req_ids.tolist()]
         ks = seq_indices.tolist()
         ps = [r.params for r in reqs]
@@ -232,8 +236,7 @@ class Engine:
             torch.tensor([r.seed + 1000003 * k for r, k in zip(reqs, ks, strict=True)], device=dev),
             torch.tensor(positions, device=dev),
         )
-        self._logprobs = self._gather_logprobs(logits, tokens, [p.logprobs for p in ps])
-        return tokens.cpu().numpy()
+        return tokens.cpu().numpy(), self._gather_logprobs(logits, tokens, [p.logprobs for p in ps])
 
     @staticmethod
     def _gather_logprobs(

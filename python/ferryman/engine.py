@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ferryman._core import InvalidRequestError, Scheduler, SchedulerConfig
+from ferryman.detokenizer import IncrementalDetokenizer
 from ferryman.model_loader import DEFAULT_MODEL, load_model
 from ferryman.outputs import CompletionOutput, RequestOutput
 from ferryman.sampling_params import SamplingParams
@@ -34,6 +35,7 @@ class _Request:
     params: SamplingParams
     seed: int
     outputs: list[CompletionOutput]
+    detoks: list[IncrementalDetokenizer]
 
 
 def _device(device: str) -> torch.device:
@@ -154,7 +156,8 @@ class Engine:
         self._next_id += 1
         seed = params.seed if params.seed is not None else self._rng.randrange(1 << 40)
         outs = [CompletionOutput(index=k) for k in range(params.n)]
-        self._reqs[core_id] = _Request(request_id, text, ids, params, seed, outs)
+        detoks = [IncrementalDetokenizer(self.tokenizer) for _ in range(params.n)]
+        self._reqs[core_id] = _Request(request_id, text, ids, params, seed, outs, detoks)
         self._core_ids[request_id] = core_id
 
     def abort_request(self, request_id: str) -> bool:
@@ -262,15 +265,16 @@ class Engine:
     def _append(self, rid: int, req: _Request, out: CompletionOutput, tok: int, reason: str | None) -> None:
         out.token_ids.append(tok)
         if self.tokenizer is not None:
-            out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-            for s in req.params.stop:
-                at = out.text.find(s)
-                if at >= 0:
-                    out.text = out.text[:at]
-                    if reason is None:
-                        self.scheduler.finish_request(rid, "stop", out.index)
-                    reason = "stop"
-                    break
+            start = len(out.text)
+            out.text += req.detoks[out.index].step(out.token_ids, final=reason is not None)
+            # a stop string can only end inside the new text, so search just the tail it may span
+            hits = [out.text.find(s, max(0, start - len(s) + 1)) for s in req.params.stop]
+            hits = [at for at in hits if at >= 0]
+            if hits:
+                out.text = out.text[: min(hits)]
+                if reason is None:
+                    self.scheduler.finish_request(rid, "stop", out.index)
+                reason = "stop"
         out.finish_reason = reason
 
     # -- offline batch -------------------------------------------------------------------------

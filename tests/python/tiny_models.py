@@ -7,12 +7,19 @@ from pathlib import Path
 
 import torch
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
-def build(kind: str, root: Path, seed: int = 0) -> Path:
+
+def build(kind: str, root: Path, seed: int = 0, tokenizer: bool = False) -> Path:
+    """With ``tokenizer``, the model gets a byte-level BPE tokenizer (256 byte tokens, no merges,
+    three specials, a ChatML template) and a vocabulary of 259 to match."""
     import transformers as tf
 
     common = dict(
-        vocab_size=96,
+        vocab_size=259 if tokenizer else 96,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -45,4 +52,22 @@ def build(kind: str, root: Path, seed: int = 0) -> Path:
                 p.copy_(0.2 * torch.randn_like(p))
     out = root / kind
     model.save_pretrained(out)
+    if tokenizer:
+        save_byte_tokenizer(out)
     return out
+
+
+def save_byte_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>", unk_token="<|endoftext|>"
+    )
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)

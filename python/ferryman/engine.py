@@ -14,10 +14,10 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from ferryman._core import InvalidRequestError, Scheduler, SchedulerConfig
+from ferryman._core import InvalidRequestError, Scheduler, SchedulerConfig, SchedulerOutput
 from ferryman.detokenizer import IncrementalDetokenizer
 from ferryman.model_loader import DEFAULT_MODEL, load_model
-from ferryman.outputs import CompletionOutput, RequestOutput
+from ferryman.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ferryman.sampling_params import SamplingParams
 from ferryman.worker.calibrate import host_link_bytes_per_s, prefill_tokens_per_s
 from ferryman.worker.kv_cache import KvCache
@@ -36,6 +36,7 @@ class _Request:
     seed: int
     outputs: list[CompletionOutput]
     detoks: list[IncrementalDetokenizer]
+    metrics: RequestMetrics
 
 
 def _device(device: str) -> torch.device:
@@ -128,12 +129,21 @@ class Engine:
         self._core_ids: dict[str, int] = {}
         self._next_id = 0
         self.peak_blocks_used = 0
+        self.last_schedule: SchedulerOutput | None = None
 
     # -- requests ------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
-        """Queues a request; raises ``InvalidRequestError`` (a ``ValueError``) if it can never run."""
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queues a request; raises ``InvalidRequestError`` (a ``ValueError``) if it can never run.
+        ``arrival_time`` (``time.monotonic()``) defaults to now."""
         params = params or SamplingParams()
+        arrival = time.monotonic() if arrival_time is None else arrival_time
         if request_id in self._core_ids:
             raise InvalidRequestError(f"request {request_id!r} already exists")
         text, ids = self._tokenize(prompt)
@@ -143,22 +153,32 @@ class Engine:
         stop_ids = [*params.stop_token_ids, *extra_eos]
         max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))
         core_id = self._next_id
-        self.scheduler.add_request(
-            core_id,
-            ids,
-            max_tokens,
-            priority=params.priority,
-            eos_token_id=eos,
-            stop_token_ids=stop_ids,
-            ignore_eos=params.ignore_eos,
-            n=params.n,
-        )
+        try:
+            self.scheduler.add_request(
+                core_id,
+                ids,
+                max_tokens,
+                priority=params.priority,
+                eos_token_id=eos,
+                stop_token_ids=stop_ids,
+                ignore_eos=params.ignore_eos,
+                n=params.n,
+            )
+        except InvalidRequestError as e:  # name the user's request id, not the core's number
+            msg = str(e).removeprefix(f"request {core_id}: ")
+            raise InvalidRequestError(f"request {request_id!r}: {msg}") from None
         self._next_id += 1
         seed = params.seed if params.seed is not None else self._rng.randrange(1 << 40)
         outs = [CompletionOutput(index=k) for k in range(params.n)]
         detoks = [IncrementalDetokenizer(self.tokenizer) for _ in range(params.n)]
-        self._reqs[core_id] = _Request(request_id, text, ids, params, seed, outs, detoks)
+        self._reqs[core_id] = _Request(
+            request_id, text, ids, params, seed, outs, detoks, RequestMetrics(arrival)
+        )
         self._core_ids[request_id] = core_id
+
+    def num_prompt_tokens(self, request_id: str) -> int:
+        """Prompt length of a live request, in tokens."""
+        return len(self._reqs[self._core_ids[request_id]].prompt_token_ids)
 
     def abort_request(self, request_id: str) -> bool:
         core_id = self._core_ids.pop(request_id, None)
@@ -187,6 +207,12 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns the requests that produced a token (finished ones marked)."""
         out = self.scheduler.schedule()
+        self.last_schedule = out
+        now = time.monotonic()
+        for r in np.unique(out.req_ids).tolist():
+            sreq = self._reqs.get(r)
+            if sreq is not None and sreq.metrics.first_scheduled_time is None:
+                sreq.metrics.first_scheduled_time = now
         used = self.kv.device_kv.shape[1] - 1 - out.num_free_device_blocks
         self.peak_blocks_used = max(self.peak_blocks_used, used)
         logits = self.runner.execute(out)
@@ -209,9 +235,17 @@ class Engine:
                 o.cumulative_logprob = (o.cumulative_logprob or 0.0) + lp[tok]
             touched[rid] = req
         results = []
+        now = time.monotonic()
         for rid, req in touched.items():
             done = all(o.finish_reason is not None for o in req.outputs)
-            results.append(RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.outputs, done))
+            m = req.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+            if done:
+                m.finished_time = now
+            results.append(
+                RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.outputs, done, m)
+            )
             if done:
                 del self._reqs[rid]
                 self._core_ids.pop(req.request_id, None)

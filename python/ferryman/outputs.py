@@ -20,6 +20,16 @@ class CompletionOutput:
 
 
 @dataclass(slots=True)
+class RequestMetrics:
+    """Wall-clock times (``time.monotonic()``) of a request's life, as vLLM reports them."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass(slots=True)
 class RequestOutput:
     """A request's state after a step, or its final result."""
 
@@ -28,3 +38,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
+    metrics: RequestMetrics | None = None

@@ -1,0 +1,217 @@
+"""``ferryman bench serve``: an async load generator against a running OpenAI-compatible server.
+
+Requests arrive as a Poisson process at ``--rate`` per second (``inf``: all at once). Each streams
+``/v1/completions`` with random token-id prompts (lengths from ``--input-len``) or prompts from a
+JSON dataset (a list of strings or of ``{"prompt", "max_tokens"}``). Per request it measures TTFT
+(first streamed chunk), ITL (gaps between chunks), TPOT ((end - first chunk) / (tokens - 1)) and
+end-to-end latency; tokens come from the stream's ``usage``. Preemptions are the difference of
+the server's ``ferryman_preemptions_total`` before and after the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="served model name (default: the server's first)")
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--rate", type=float, default=float("inf"), help="requests per second (Poisson)")
+    p.add_argument("--input-len", default="32:256", help="LO:HI random prompt tokens")
+    p.add_argument("--output-len", default="16:256", help="LO:HI max_tokens")
+    p.add_argument("--token-range", default="100:1000", help="LO:HI token ids of random prompts")
+    p.add_argument("--dataset", default=None, help="JSON list of prompts instead of random ones")
+    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    p.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+@dataclass(slots=True)
+class Result:
+    ok: bool = False
+    error: str = ""
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+
+def _span(s: str) -> tuple[int, int]:
+    lo, _, hi = s.partition(":")
+    return int(lo), int(hi or lo)
+
+
+def workload(a: argparse.Namespace) -> list[tuple[Any, int]]:
+    rng = random.Random(a.seed)
+    olo, ohi = _span(a.output_len)
+    if a.dataset:
+        with open(a.dataset, encoding="utf-8") as f:
+            rows = json.load(f)
+        if not isinstance(rows, list) or not rows:
+            raise ValueError(f"{a.dataset}: expected a non-empty JSON list of prompts")
+        out = []
+        for i in range(a.num_prompts):
+            r = rows[i % len(rows)]
+            if isinstance(r, str):
+                out.append((r, rng.randint(olo, ohi)))
+            else:
+                out.append((r["prompt"], int(r.get("max_tokens") or rng.randint(olo, ohi))))
+        return out
+    (tlo, thi), (ilo, ihi) = _span(a.token_range), _span(a.input_len)
+    return [
+        ([rng.randrange(tlo, thi) for _ in range(rng.randint(ilo, ihi))], rng.randint(olo, ohi))
+        for _ in range(a.num_prompts)
+    ]
+
+
+def preemptions(metrics_text: str) -> dict[str, float]:
+    """``ferryman_preemptions_total`` by mode, from a /metrics page."""
+    out: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("ferryman_preemptions_total{"):
+            labels, _, value = line.rpartition(" ")
+            mode = labels.split('mode="', 1)[1].split('"', 1)[0]
+            out[mode] = out.get(mode, 0.0) + float(value)
+    return out
+
+
+async def _one(client: Any, url: str, body: dict[str, Any]) -> Result:
+    r = Result()
+    start = time.perf_counter()
+    last = start
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                r.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
+                return r
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    r.error = chunk["error"].get("message", "error")
+                    return r
+                now = time.perf_counter()
+                if chunk.get("choices"):
+                    if r.ttft == 0.0:
+                        r.ttft = now - start
+                    else:
+                        r.itl.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    r.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    r.output_tokens = chunk["usage"]["completion_tokens"]
+        r.e2e = time.perf_counter() - start
+        r.ok = True
+    except Exception as e:  # a failed request is counted, not fatal to the benchmark
+        r.error = repr(e)
+    return r
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
+
+
+def _summary(name: str, xs: list[float]) -> dict[str, float]:
+    ms = [x * 1000 for x in xs]
+    return {
+        f"{name}_mean_ms": round(sum(ms) / len(ms), 2) if ms else 0.0,
+        **{f"{name}_p{q}_ms": round(_pct(ms, q), 2) for q in (50, 90, 99)},
+    }
+
+
+async def run(a: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+
+    work = workload(a)
+    rng = random.Random(a.seed + 1)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=a.base_url, timeout=a.timeout, limits=limits) as client:
+        model = a.model or (await client.get("/v1/models")).json()["data"][0]["id"]
+        before = preemptions((await client.get("/metrics")).text)
+        sem = asyncio.Semaphore(a.max_concurrency) if a.max_concurrency else None
+        bar = None
+        if not a.no_progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(work), desc="bench serve", unit="req")
+
+        async def fire(prompt: Any, max_tokens: int) -> Result:
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "ignore_eos": a.ignore_eos,
+            }
+            if sem is None:
+                res = await _one(client, "/v1/completions", body)
+            else:
+                async with sem:
+                    res = await _one(client, "/v1/completions", body)
+            if bar is not None:
+                bar.update(1)
+            return res
+
+        started = time.perf_counter()
+        tasks = []
+        for prompt, m in work:
+            tasks.append(asyncio.create_task(fire(prompt, m)))
+            if a.rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(a.rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - started
+        if bar is not None:
+            bar.close()
+        after = preemptions((await client.get("/metrics")).text)
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    report: dict[str, Any] = {
+        "model": model,
+        "num_prompts": len(work),
+        "rate": a.rate,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": round(duration, 3),
+        "request_throughput": round(len(ok) / duration, 3),
+        "output_token_throughput": round(out_tokens / duration, 2),
+        "total_prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "total_output_tokens": out_tokens,
+        **_summary("ttft", [r.ttft for r in ok]),
+        **_summary("tpot", tpot),
+        **_summary("itl", [x for r in ok for x in r.itl]),
+        **_summary("e2e", [r.e2e for r in ok]),
+        "preemptions": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in sorted(set(after) | set(before))},
+    }
+    return report
+
+
+def main(a: argparse.Namespace) -> int:
+    report = asyncio.run(run(a))
+    if a.json:
+        print(json.dumps(report))
+    else:
+        for k, v in report.items():
+            print(f"{k}: {v}")
+    return 0 if report["failed"] == 0 else 1

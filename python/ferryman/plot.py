@@ -1,0 +1,72 @@
+"""``ferryman plot TRACE -o out.png``: the picture of "budget left, KV gone". Three panels over
+steps: device and host KV use, token-budget use, and queue sizes; each preemption is marked on the
+KV panel by its chosen mode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ferryman.trace import read_trace
+
+_MODE_STYLE = {"swap": ("tab:blue", "v"), "recompute": ("tab:red", "x")}
+
+
+def plot_trace(trace: str | Path, out: str | Path) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r for r in read_trace(trace) if r.get("type") == "step"]
+    if not steps:
+        raise ValueError(f"{trace}: no step records")
+    x = [r["step"] for r in steps]
+
+    def pct(num: str, den: str, free: bool = False) -> list[float]:
+        vals = []
+        for r in steps:
+            d = max(1, r[den])
+            vals.append(100.0 * ((d - r[num]) if free else r[num]) / d)
+        return vals
+
+    fig, (kv, budget, queues) = plt.subplots(3, 1, sharex=True, figsize=(11, 8), constrained_layout=True)
+    kv.plot(x, pct("num_free_device_blocks", "num_device_blocks", free=True), label="device KV used", lw=1)
+    if any(r["num_host_blocks"] for r in steps):
+        kv.plot(x, pct("num_free_host_blocks", "num_host_blocks", free=True), label="host KV used", lw=1)
+    marks: dict[str, list[Any]] = {}
+    for r in steps:
+        for p in r["preemptions"]:
+            marks.setdefault(p["mode"], []).append(r["step"])
+    for mode, at in sorted(marks.items()):
+        color, marker = _MODE_STYLE.get(mode, ("tab:gray", "o"))
+        kv.scatter(
+            at, [101] * len(at), color=color, marker=marker, label=f"preempt: {mode} ({len(at)})", zorder=3
+        )
+    kv.set_ylabel("KV blocks used (%)")
+    kv.set_ylim(0, 105)
+    kv.legend(loc="lower right", fontsize="small")
+    budget.plot(
+        x,
+        [100.0 * r["num_scheduled_tokens"] / max(1, r["token_budget"]) for r in steps],
+        lw=1,
+        label="scheduled / budget",
+    )
+    budget.plot(
+        x,
+        [100.0 * r["num_prefill_tokens"] / max(1, r["token_budget"]) for r in steps],
+        lw=1,
+        label="of which prefill",
+    )
+    budget.set_ylabel("token budget used (%)")
+    budget.set_ylim(0, 105)
+    budget.legend(loc="upper right", fontsize="small")
+    for key, label in (("num_running", "running"), ("num_waiting", "waiting"), ("num_swapped", "swapped")):
+        queues.plot(x, [r[key] for r in steps], label=label, lw=1)
+    queues.set_ylabel("requests")
+    queues.set_xlabel("step")
+    queues.legend(loc="upper right", fontsize="small")
+    fig.suptitle(f"ferryman step trace: {Path(trace).name} ({len(steps)} steps)")
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return str(out)

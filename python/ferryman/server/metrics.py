@@ -1,0 +1,148 @@
+"""Prometheus metrics of a running engine, in a registry owned by one server (no global state).
+
+Updated only from the engine thread (``on_step``, ``on_finished``, ``on_added``), read by
+``GET /metrics``. Counters about preemption come from the core's telemetry events, so they equal
+the ``"preemption"`` records of the step trace one for one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ferryman._core import SchedulerConfig, SchedulerOutput
+from ferryman.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_FAST_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+_RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+class Metrics:
+    def __init__(self, config: SchedulerConfig, model_name: str) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self._cfg = config
+        p = "ferryman_"
+        self.running = Gauge(p + "num_requests_running", "requests running", registry=r)
+        self.waiting = Gauge(p + "num_requests_waiting", "requests waiting to be scheduled", registry=r)
+        self.swapped = Gauge(p + "num_requests_swapped", "requests swapped out to host memory", registry=r)
+        self.device_usage = Gauge(
+            p + "kv_device_usage_ratio", "fraction of device KV blocks in use", registry=r
+        )
+        self.host_usage = Gauge(p + "kv_host_usage_ratio", "fraction of host KV blocks in use", registry=r)
+        self.device_free = Gauge(p + "kv_device_blocks_free", "free device KV blocks", registry=r)
+        self.host_free = Gauge(p + "kv_host_blocks_free", "free host KV blocks", registry=r)
+        Gauge(p + "kv_device_blocks", "device KV blocks", registry=r).set(config.num_device_blocks)
+        Gauge(p + "kv_host_blocks", "host KV blocks", registry=r).set(config.num_host_blocks)
+        info = Gauge(p + "model_info", "the served model", ["model"], registry=r)
+        info.labels(model=model_name).set(1)
+        self.budget_util = Histogram(
+            p + "token_budget_utilization",
+            "scheduled tokens / max_num_batched_tokens per step",
+            buckets=_RATIO_BUCKETS,
+            registry=r,
+        )
+        self.preemptions = Counter(
+            p + "preemptions", "preemptions by chosen mode and reason", ["mode", "reason"], registry=r
+        )
+        self.swapped_out = Counter(p + "blocks_swapped_out", "KV blocks copied device->host", registry=r)
+        self.swapped_in = Counter(p + "blocks_swapped_in", "KV blocks copied host->device", registry=r)
+        self.swap_bytes = Counter(p + "swap_bytes", "KV bytes moved by swap", ["direction"], registry=r)
+        self.prefix_queries = Counter(p + "prefix_cache_queries", "prompt blocks looked up", registry=r)
+        self.prefix_hits = Counter(p + "prefix_cache_hits", "prompt blocks found cached", registry=r)
+        self.prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate", "hits / queries since start", registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens of accepted requests", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "tokens generated", registry=r)
+        self.requests_finished = Counter(
+            p + "requests_finished", "finished requests by reason", ["reason"], registry=r
+        )
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "TTFT", buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(
+            p + "time_per_output_token_seconds", "TPOT", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            p + "e2e_request_latency_seconds", "end-to-end latency", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.queue = Histogram(
+            p + "request_queue_time_seconds",
+            "arrival to first scheduled",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.sched = Histogram(
+            p + "scheduler_time_seconds",
+            "core schedule() CPU time per step",
+            buckets=_FAST_BUCKETS,
+            registry=r,
+        )
+        self.step_time = Histogram(
+            p + "step_seconds", "wall time per step", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self._last_queries = 0
+        self._last_hits = 0
+
+    def on_added(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def on_step(
+        self,
+        plan: SchedulerOutput,
+        events: list[dict[str, Any]],
+        stats: dict[str, int],
+        new_tokens: int,
+        step_s: float,
+    ) -> None:
+        cfg = self._cfg
+        self.running.set(plan.num_running)
+        self.waiting.set(plan.num_waiting)
+        self.swapped.set(plan.num_swapped)
+        self.device_free.set(stats["num_free_device_blocks"])
+        self.host_free.set(stats["num_free_host_blocks"])
+        self.device_usage.set(1 - stats["num_free_device_blocks"] / max(1, cfg.num_device_blocks))
+        self.host_usage.set(1 - stats["num_free_host_blocks"] / max(1, cfg.num_host_blocks))
+        self.budget_util.observe(plan.num_scheduled_tokens / cfg.max_num_batched_tokens)
+        for e in events:
+            self.preemptions.labels(mode=e["mode"], reason=e["reason"]).inc()
+        out, inn = len(plan.blocks_to_swap_out), len(plan.blocks_to_swap_in)
+        if out:
+            self.swapped_out.inc(out)
+            self.swap_bytes.labels(direction="out").inc(out * cfg.bytes_per_block)
+        if inn:
+            self.swapped_in.inc(inn)
+            self.swap_bytes.labels(direction="in").inc(inn * cfg.bytes_per_block)
+        q, h = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
+        self.prefix_queries.inc(q - self._last_queries)
+        self.prefix_hits.inc(h - self._last_hits)
+        self._last_queries, self._last_hits = q, h
+        self.prefix_hit_rate.set(h / q if q else 0.0)
+        self.generation_tokens.inc(new_tokens)
+        self.sched.observe(plan.schedule_ns * 1e-9)
+        self.step_time.observe(step_s)
+
+    def on_idle(self, stats: dict[str, int]) -> None:
+        """After the last request left (finished or aborted): gauges show the empty engine."""
+        for g in (self.running, self.waiting, self.swapped):
+            g.set(0)
+        self.device_free.set(stats["num_free_device_blocks"])
+        self.host_free.set(stats["num_free_host_blocks"])
+        self.device_usage.set(1 - stats["num_free_device_blocks"] / max(1, self._cfg.num_device_blocks))
+        self.host_usage.set(1 - stats["num_free_host_blocks"] / max(1, self._cfg.num_host_blocks))
+
+    def on_finished(self, out: RequestOutput) -> None:
+        for o in out.outputs:
+            self.requests_finished.labels(reason=o.finish_reason or "abort").inc()
+        m = out.metrics
+        if m is None or m.finished_time is None:
+            return
+        self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.queue.observe(m.first_scheduled_time - m.arrival_time)
+        if m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+            n = max(len(o.token_ids) for o in out.outputs)
+            if n > 1:
+                self.tpot.observe((m.finished_time - m.first_token_time) / (n - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

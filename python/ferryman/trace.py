@@ -1,0 +1,90 @@
+"""The step trace: one JSON object per line, written by ``ferryman serve --trace FILE`` (and by
+``ferryman sim``), read by ``ferryman plot``.
+
+Two record types, told apart by ``"type"``:
+
+- ``"step"``: ``step``, ``t`` (seconds since the trace began), ``step_s`` (wall time of the whole
+  step), ``schedule_ns`` (the core's time planning it), ``num_scheduled_tokens``,
+  ``num_prefill_tokens``, ``token_budget`` and ``token_budget_left``, ``num_free_device_blocks``
+  and ``num_device_blocks``, ``num_free_host_blocks`` and ``num_host_blocks``, ``num_running``,
+  ``num_waiting``, ``num_swapped``, ``num_blocks_swapped_out``, ``num_blocks_swapped_in``,
+  ``num_blocks_copied``, and ``preemptions``: ``[{"req_id", "mode", "reason"}]`` of this step;
+- ``"preemption"``: one core telemetry event as ``Scheduler.drain_events()`` returns it (victim,
+  chosen mode, reason, blocks freed, estimated swap and recompute costs, budget and free blocks at
+  that moment).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from ferryman._core import SchedulerConfig, SchedulerOutput
+
+
+def step_record(
+    plan: SchedulerOutput, config: SchedulerConfig, events: list[dict[str, Any]], t: float, step_s: float
+) -> dict[str, Any]:
+    """The ``"step"`` record of one planned step and the events it raised."""
+    return {
+        "type": "step",
+        "step": plan.step,
+        "t": round(t, 6),
+        "step_s": round(step_s, 6),
+        "schedule_ns": plan.schedule_ns,
+        "num_scheduled_tokens": plan.num_scheduled_tokens,
+        "num_prefill_tokens": plan.num_prefill_tokens,
+        "token_budget": config.max_num_batched_tokens,
+        "token_budget_left": plan.token_budget_left,
+        "num_free_device_blocks": plan.num_free_device_blocks,
+        "num_device_blocks": config.num_device_blocks,
+        "num_free_host_blocks": plan.num_free_host_blocks,
+        "num_host_blocks": config.num_host_blocks,
+        "num_running": plan.num_running,
+        "num_waiting": plan.num_waiting,
+        "num_swapped": plan.num_swapped,
+        "num_blocks_swapped_out": len(plan.blocks_to_swap_out),
+        "num_blocks_swapped_in": len(plan.blocks_to_swap_in),
+        "num_blocks_copied": len(plan.blocks_to_copy),
+        "preemptions": [{"req_id": e["req_id"], "mode": e["mode"], "reason": e["reason"]} for e in events],
+    }
+
+
+class TraceWriter:
+    """Appends records to a JSON-lines file; safe to call from the engine thread while another
+    thread closes it."""
+
+    def __init__(self, path: str | Path) -> None:
+        self._file: IO[str] | None = open(path, "w", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        self._lock = threading.Lock()
+
+    def write(self, record: dict[str, Any]) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+def read_trace(path: str | Path) -> Iterator[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not a JSON trace line ({e.msg})") from None

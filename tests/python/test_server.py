@@ -1,0 +1,354 @@
+"""The OpenAI-compatible server, started for real (``python -m ferryman serve``) on a free loopback
+port with a tiny random Llama and a byte-level tokenizer: completions and chat, streaming and not,
+through httpx and the official ``openai`` client; errors; disconnects; overload; and a load test
+against a KV pool small enough that every preemption mode preempts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from tiny_models import build
+
+from ferryman.engine import Engine
+from ferryman.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build("llama", tmp_path_factory.mktemp("server"), tokenizer=True)
+
+
+class Server:
+    def __init__(self, model: Path, *args: str, log: Path) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "ferryman", "serve", "--model", str(model), "--port", str(self.port)]
+        self._log = open(log, "w")  # noqa: SIM115 (closed in stop())
+        self.proc = subprocess.Popen(
+            [*cmd, "--no-calibrate", "--log-level", "warning", *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        self.log = log
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {log.read_text()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server did not come up: {log.read_text()}")
+
+    def metric(self, name: str) -> float:
+        """Sum of a metric's samples on /metrics (all label sets)."""
+        total, found = 0.0, False
+        for line in httpx.get(self.url + "/metrics").text.splitlines():
+            if line.startswith((name + " ", name + "{")) or ("{" in name and line.startswith(name)):
+                total += float(line.rpartition(" ")[2])
+                found = True
+        assert found, name
+        return total
+
+    def wait_metric(self, name: str, value: float, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while self.metric(name) != value:
+            assert time.monotonic() < deadline, f"{name} stayed at {self.metric(name)}, wanted {value}"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    s = Server(
+        model_dir, "--block-size", "4", "--num-device-blocks", "64", "--num-host-blocks", "64", log=log
+    )
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir: Path) -> Engine:
+    return Engine(str(model_dir), block_size=4, num_device_blocks=512, num_host_blocks=0, calibrate=False)
+
+
+def sse(lines: Iterator[str]) -> list[dict[str, Any]]:
+    """The JSON events of a stream; asserts it ends with [DONE]."""
+    events, done = [], False
+    for line in lines:
+        if line.startswith("data: "):
+            assert not done
+            if line == "data: [DONE]":
+                done = True
+            else:
+                events.append(json.loads(line[6:]))
+    assert done
+    return events
+
+
+GREEDY = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
+
+
+def test_completions_plain_and_streamed_match_the_offline_engine(server: Server, offline: Engine) -> None:
+    want = offline.generate(["Hello there"], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[
+        0
+    ]
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hello there", **GREEDY})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion"
+    assert body["choices"][0]["text"] == want.outputs[0].text
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 11, "completion_tokens": 12, "total_tokens": 23}
+    req = {"prompt": "Hello there", **GREEDY, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/completions", json=req) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = sse(resp.iter_lines())
+    assert "".join(c["text"] for e in events for c in e["choices"]) == want.outputs[0].text
+    assert [c["finish_reason"] for e in events for c in e["choices"]][-1] == "length"
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 12
+    # several prompts (token ids and text) in one request, n=2: choices indexed prompt * n + k
+    r = httpx.post(
+        server.url + "/v1/completions", json={"prompt": [[72, 105], [65, 66, 67]], "n": 2, **GREEDY}
+    )
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    assert choices[0]["text"] == choices[1]["text"] and choices[2]["text"] == choices[3]["text"]
+    assert r.json()["usage"]["completion_tokens"] == 48
+
+
+def test_chat_plain_and_streamed(server: Server, offline: Engine) -> None:
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    want = offline.chat(msgs, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"messages": msgs, **GREEDY, "logprobs": True, "top_logprobs": 2},
+    )
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": want.outputs[0].text}
+    lp = choice["logprobs"]["content"]
+    assert len(lp) == 12 and all(len(t["top_logprobs"]) == 2 and t["logprob"] <= 0 for t in lp)
+    req = {"messages": msgs, **GREEDY, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=req) as resp:
+        events = sse(resp.iter_lines())
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(e["choices"][0]["delta"]["content"] or "" for e in events) == want.outputs[0].text
+
+
+def test_openai_client(server: Server, offline: Engine) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    want = offline.generate(["Once"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+    extra = {"ignore_eos": True}
+    c = client.completions.create(model=model, prompt="Once", max_tokens=8, temperature=0, extra_body=extra)
+    assert (
+        c.choices[0].text == want.outputs[0].text and c.usage is not None and c.usage.completion_tokens == 8
+    )
+    msgs: Any = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(
+        model=model, messages=msgs, max_tokens=8, temperature=0, extra_body=extra
+    )
+    stream = client.chat.completions.create(
+        model=model, messages=msgs, max_tokens=8, temperature=0, stream=True, extra_body=extra
+    )
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert chat.choices[0].message.content == streamed and len(streamed) > 0
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt="x", max_tokens=2, temperature=-1)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        ("{not json", 400, "not valid JSON"),
+        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+        ({"prompt": ""}, 400, "empty"),
+        ({"prompt": "x" * 300}, 400, "max_model_len"),
+        ({"prompt": "x", "model": "gpt-4"}, 404, "does not exist"),
+        ({"messages": []}, 400, "messages"),
+    ],
+)
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
+    server: Server, body: Any, status: int, needle: str
+) -> None:
+    path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
+    kw: dict[str, Any] = (
+        {"content": body, "headers": {"content-type": "application/json"}}
+        if isinstance(body, str)
+        else {"json": body}
+    )
+    r = httpx.post(server.url + path, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"]
+    ok = httpx.post(server.url + "/v1/completions", json={"prompt": "ok", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_disconnect_aborts_and_frees_blocks(server: Server) -> None:
+    req = {"prompt": "Tell me", "max_tokens": 200, "temperature": 0.0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=req) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                break  # one chunk, then hang up
+    server.wait_metric("ferryman_num_requests_running", 0)
+    server.wait_metric("ferryman_kv_device_blocks_free", 64)
+    assert server.metric('ferryman_requests_finished_total{reason="abort"') == 1
+
+
+def test_bench_serve_against_the_server(server: Server) -> None:
+    from ferryman import bench_serve
+    from ferryman.cli import _parser
+
+    a = _parser().parse_args(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            server.url,
+            "--num-prompts",
+            "12",
+            "--rate",
+            "50",
+            "--input-len",
+            "4:20",
+            "--output-len",
+            "4:12",
+            "--token-range",
+            "0:256",
+            "--ignore-eos",
+            "--no-progress",
+        ]
+    )
+    report = asyncio.run(bench_serve.run(a))
+    assert report["completed"] == 12 and report["failed"] == 0
+    assert report["total_output_tokens"] == sum(m for _, m in bench_serve.workload(a))
+    assert 0 < report["ttft_p50_ms"] <= report["ttft_p99_ms"] and report["request_throughput"] > 0
+
+
+def test_overload_answers_503(model_dir: Path, tmp_path: Path) -> None:
+    s = Server(
+        model_dir,
+        "--block-size",
+        "4",
+        "--num-device-blocks",
+        "64",
+        "--max-num-seqs",
+        "1",
+        "--max-waiting",
+        "2",
+        log=tmp_path / "server.log",
+    )
+    body = {"prompt": "abc", "max_tokens": 250, "temperature": 0.0, "ignore_eos": True}
+
+    async def burst() -> list[httpx.Response]:
+        # one runs at a time and takes far longer than 16 requests take to arrive
+        async with httpx.AsyncClient(base_url=s.url, timeout=120) as c:
+            return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(16)))
+
+    try:
+        codes = [r.status_code for r in asyncio.run(burst())]
+        assert set(codes) == {200, 503} and codes.count(200) >= 2, codes
+        s.wait_metric("ferryman_num_requests_running", 0)
+        s.wait_metric("ferryman_kv_device_blocks_free", 64)
+        assert httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+    finally:
+        s.stop()
+
+
+def load_prompts() -> list[list[int]]:
+    return [[(7 * i + j) % 250 + 3 for j in range(4 + (i * 5) % 29)] for i in range(64)]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
+def test_load_64_streams_on_a_tiny_pool(model_dir: Path, offline: Engine, tmp_path: Path, mode: str) -> None:
+    prompts = load_prompts()
+    want = offline.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    trace = tmp_path / "trace.jsonl"
+    s = Server(
+        model_dir,
+        "--block-size",
+        "4",
+        "--num-device-blocks",
+        "24",
+        "--num-host-blocks",
+        "96",
+        "--preemption-mode",
+        mode,
+        "--trace",
+        str(trace),
+        log=tmp_path / "server.log",
+    )
+
+    async def one(client: httpx.AsyncClient, p: list[int]) -> tuple[str, int]:
+        body = {
+            "prompt": p,
+            "max_tokens": 16,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            events = [json.loads(line[6:]) async for line in resp.aiter_lines() if line.startswith("data: {")]
+        text = "".join(c["text"] for e in events for c in e["choices"])
+        return text, events[-1]["usage"]["completion_tokens"]
+
+    async def all_of_them() -> list[tuple[str, int]]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(base_url=s.url, timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    try:
+        got = asyncio.run(all_of_them())
+        assert [t for t, _ in got] == [w.outputs[0].text for w in want]
+        assert all(n == 16 for _, n in got)
+        s.wait_metric("ferryman_num_requests_running", 0)
+        s.wait_metric("ferryman_kv_device_blocks_free", 24)
+        s.wait_metric("ferryman_kv_host_blocks_free", 96)
+        events = [r for r in map(json.loads, trace.read_text().splitlines()) if r["type"] == "preemption"]
+        assert len(events) > 0, "the pool was meant to force preemption"
+        assert s.metric("ferryman_preemptions_total") == len(events)
+        for m in ("swap", "recompute"):
+            n = sum(1 for e in events if e["mode"] == m)
+            if n:
+                assert s.metric(f'ferryman_preemptions_total{{mode="{m}"') == n
+        if mode != "auto":
+            assert {e["mode"] for e in events} <= {mode}
+    finally:
+        s.stop()
+    if mode == "swap":
+        from ferryman.plot import plot_trace
+
+        png = plot_trace(trace, tmp_path / "trace.png")
+        assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -359,7 +359,12 @@ class Engine:
                 raise InvalidRequestError("this model has no tokenizer: pass prompts as token-id lists")
             ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))
             return prompt, ids
-        return None, [int(t) for t in prompt]
+        ids = [int(t) for t in prompt]
+        vocab = self.model.cfg.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} out of range [0, {vocab})")
+        return None, ids
 
 
 def _progress(total: int) -> Any:

@@ -107,6 +107,8 @@ def test_bad_requests_are_rejected_and_others_keep_running(models: dict[str, Pat
         eng.add_request("text", "no tokenizer here", None)
     with pytest.raises(InvalidRequestError, match="empty"):
         eng.add_request("empty", [], None)
+    with pytest.raises(InvalidRequestError, match=r"token id 96 out of range \[0, 96\)"):
+        eng.add_request("vocab", [5, 96], None)
     bad_values = [{"temperature": -1}, {"max_tokens": 0}, {"top_p": 0.0}, {"top_k": -2}]
     for bad in [*bad_values, {"min_p": 2}, {"n": 0}]:
         with pytest.raises(ValueError, match=next(iter(bad))):

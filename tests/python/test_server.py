@@ -54,13 +54,16 @@ class Server:
         self.stop()
         raise RuntimeError(f"server did not come up: {log.read_text()}")
 
-    def metric(self, name: str) -> float:
-        """Sum of a metric's samples on /metrics (all label sets)."""
+    def metric(self, name: str, missing: float | None = None) -> float:
+        """Sum of a metric's samples on /metrics (all label sets); ``missing`` if it has none yet
+        (a labelled series appears on first use), else absence fails."""
         total, found = 0.0, False
         for line in httpx.get(self.url + "/metrics").text.splitlines():
             if line.startswith((name + " ", name + "{")) or ("{" in name and line.startswith(name)):
                 total += float(line.rpartition(" ")[2])
                 found = True
+        if not found and missing is not None:
+            return missing
         assert found, name
         return total
 
@@ -129,6 +132,14 @@ def test_completions_plain_and_streamed_match_the_offline_engine(server: Server,
     assert "".join(c["text"] for e in events for c in e["choices"]) == want.outputs[0].text
     assert [c["finish_reason"] for e in events for c in e["choices"]][-1] == "length"
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 12
+    # a stop string spanning tokens: the stream never sends text the final result cuts
+    text = want.outputs[0].text
+    stop = text[4:7]
+    req = {"prompt": "Hello there", **GREEDY, "stop": [stop], "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=req) as resp:
+        events = sse(resp.iter_lines())
+    assert "".join(c["text"] for e in events for c in e["choices"]) == text[: text.index(stop)]
+    assert events[-1]["choices"][-1]["finish_reason"] == "stop"
     # several prompts (token ids and text) in one request, n=2: choices indexed prompt * n + k
     r = httpx.post(
         server.url + "/v1/completions", json={"prompt": [[72, 105], [65, 66, 67]], "n": 2, **GREEDY}
@@ -185,44 +196,96 @@ def test_openai_client(server: Server, offline: Engine) -> None:
         client.completions.create(model=model, prompt="x", max_tokens=2, temperature=-1)
 
 
-@pytest.mark.parametrize(
-    ("body", "status", "needle"),
-    [
-        ("{not json", 400, "not valid JSON"),
-        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-        ({"prompt": "x", "top_p": 0}, 400, "top_p"),
-        ({"prompt": ""}, 400, "empty"),
-        ({"prompt": "x" * 300}, 400, "max_model_len"),
-        ({"prompt": "x", "model": "gpt-4"}, 404, "does not exist"),
-        ({"messages": []}, 400, "messages"),
-    ],
-)
+CHAT, CMPL = "/v1/chat/completions", "/v1/completions"
+BAD_REQUESTS: list[tuple[str, Any, int, str]] = [
+    (CMPL, "{not json", 400, "not valid JSON"),
+    (CMPL, "[1, 2, 3]", 400, "body"),
+    (CMPL, {"max_tokens": 3}, 400, "prompt"),
+    (CMPL, {"prompt": {"text": "x"}}, 400, "prompt"),
+    (CMPL, {"prompt": ""}, 400, "empty"),
+    (CMPL, {"prompt": [[]]}, 400, "empty"),
+    (CMPL, {"prompt": [1, 2, 99999]}, 400, "out of range"),
+    (CMPL, {"prompt": "x" * 300}, 400, "max_model_len"),
+    (CMPL, {"prompt": "x", "max_tokens": 1000}, 400, "max_model_len"),
+    (CMPL, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    (CMPL, {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    (CMPL, {"prompt": "x", "n": 0}, 400, "n"),
+    (CMPL, {"prompt": "x", "temperature": 5}, 400, "temperature"),
+    (CMPL, {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    (CMPL, {"prompt": "x", "top_k": -2}, 400, "top_k"),
+    (CMPL, {"prompt": "x", "min_p": 1.5}, 400, "min_p"),
+    (CMPL, {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    (CMPL, {"prompt": "x", "stop": 7}, 400, "stop"),
+    (CMPL, {"prompt": "x", "stop_token_ids": [-1]}, 400, "out of range"),
+    (CMPL, {"prompt": "x", "seed": "abc"}, 400, "seed"),
+    (CMPL, {"prompt": "x", "echo": True}, 400, "echo"),
+    (CMPL, {"prompt": "x", "model": "gpt-4"}, 404, "does not exist"),
+    (CHAT, {"messages": []}, 400, "messages"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+        400,
+        "type",
+    ),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 99}, 400, "top_logprobs"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "needle"), BAD_REQUESTS)
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
-    server: Server, body: Any, status: int, needle: str
+    server: Server, path: str, body: Any, status: int, needle: str
 ) -> None:
-    path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
-    kw: dict[str, Any] = (
-        {"content": body, "headers": {"content-type": "application/json"}}
-        if isinstance(body, str)
-        else {"json": body}
-    )
-    r = httpx.post(server.url + path, **kw)
+    if isinstance(body, str):
+        r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = httpx.post(server.url + path, json=body)
     assert r.status_code == status, r.text
     err = r.json()["error"]
-    assert needle in err["message"] and err["type"]
+    assert needle in err["message"] and err["type"] == "invalid_request_error"
     ok = httpx.post(server.url + "/v1/completions", json={"prompt": "ok", "max_tokens": 2})
     assert ok.status_code == 200
 
 
-def test_disconnect_aborts_and_frees_blocks(server: Server) -> None:
-    req = {"prompt": "Tell me", "max_tokens": 200, "temperature": 0.0, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=req) as resp:
-        for line in resp.iter_lines():
-            if line.startswith("data: "):
-                break  # one chunk, then hang up
+def test_disconnects_mid_stream_abort_and_free_blocks_while_others_finish(
+    server: Server, offline: Engine
+) -> None:
+    """16 streams; every other client hangs up after its first chunk."""
+    prompts = [[65 + i, 66, 67, 68 + i] for i in range(16)]
+    want = offline.generate(prompts, SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True))
+    aborted_before = server.metric('ferryman_requests_finished_total{reason="abort"', missing=0.0)
+    tokens_before = server.metric("ferryman_generation_tokens_total")
+
+    async def one(client: httpx.AsyncClient, i: int) -> str | None:
+        body = {
+            "prompt": prompts[i],
+            "max_tokens": 120,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        text = []
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    if i % 2 == 0:
+                        return None  # leaving the block closes the connection
+                    text.extend(c["text"] for c in json.loads(line[6:])["choices"])
+        return "".join(text)
+
+    async def run() -> list[str | None]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(16)))
+
+    got = asyncio.run(run())
+    assert [g for g in got[1::2]] == [w.outputs[0].text for w in want[1::2]]
     server.wait_metric("ferryman_num_requests_running", 0)
+    server.wait_metric("ferryman_num_requests_waiting", 0)
     server.wait_metric("ferryman_kv_device_blocks_free", 64)
-    assert server.metric('ferryman_requests_finished_total{reason="abort"') == 1
+    aborted = server.metric('ferryman_requests_finished_total{reason="abort"') - aborted_before
+    generated = server.metric("ferryman_generation_tokens_total") - tokens_before
+    assert 1 <= aborted <= 8
+    assert generated < 16 * 120  # the hung-up requests stopped generating
 
 
 def test_bench_serve_against_the_server(server: Server) -> None:

@@ -10,22 +10,20 @@ A client that disconnects has its request aborted and its KV blocks freed within
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel
 
 from ferryman.sampling_params import SamplingParams
 from ferryman.server import protocol as api
+from ferryman.server import responses
 from ferryman.server.async_engine import AsyncEngine, EngineDeadError, Update
 
 T = TypeVar("T")
@@ -44,44 +42,6 @@ class ApiError(Exception):
 
 def _error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body.model_dump(), status_code=e.status)
-
-
-def _sse(obj: BaseModel | dict[str, Any]) -> str:
-    data = obj.model_dump_json(exclude_none=False) if isinstance(obj, BaseModel) else json.dumps(obj)
-    return f"data: {data}\n\n"
-
-
-async def _merge(streams: list[AsyncIterator[Update]]) -> AsyncIterator[tuple[int, Update]]:
-    """Interleaves several requests' updates as they come; closing it aborts the unfinished."""
-    if len(streams) == 1:
-        async for u in streams[0]:
-            yield 0, u
-        return
-    q: asyncio.Queue[tuple[int, Update | BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int, s: AsyncIterator[Update]) -> None:
-        try:
-            async for u in s:
-                q.put_nowait((i, u))
-        except Exception as e:
-            q.put_nowait((i, e))
-        finally:
-            q.put_nowait((i, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        live = len(tasks)
-        while live:
-            i, item = await q.get()
-            if item is None:
-                live -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
 
 
 async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
@@ -192,12 +152,12 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
             async def events() -> AsyncIterator[str]:
                 prompt_tokens, completion_tokens = {}, 0
                 try:
-                    async for i, u in _merge(streams):
+                    async for i, u in responses.merge(streams):
                         prompt_tokens[i] = u.num_prompt_tokens
                         choices = []
                         for d in u.deltas:
                             completion_tokens += len(d.token_ids)
-                            lp = _completion_logprobs(d.token_ids, d.logprobs, token_str, 0)
+                            lp = responses.completion_logprobs(d.token_ids, d.logprobs, token_str, 0)
                             choices.append(
                                 api.CompletionChoice(
                                     index=i * n + d.index,
@@ -207,27 +167,27 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
                                 )
                             )
                         if choices:
-                            yield _sse(
+                            yield responses.sse(
                                 api.CompletionResponse(id=rid, model=served_model_name, choices=choices)
                             )
                     if include_usage:
-                        usage = _usage(sum(prompt_tokens.values()), completion_tokens)
-                        yield _sse(
+                        usage = responses.usage(sum(prompt_tokens.values()), completion_tokens)
+                        yield responses.sse(
                             api.CompletionResponse(id=rid, model=served_model_name, choices=[], usage=usage)
                         )
                 except EngineDeadError as e:
-                    yield _sse(ApiError(503, str(e), "server_error").body)
+                    yield responses.sse(ApiError(503, str(e), "server_error").body)
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
         async def collect() -> api.CompletionResponse:
-            acc = await _accumulate(streams, n)
+            acc = await responses.accumulate(streams, n)
             choices = [
                 api.CompletionChoice(
                     index=c,
                     text="".join(acc.text.get(c, [])),
-                    logprobs=_completion_logprobs(
+                    logprobs=responses.completion_logprobs(
                         acc.toks.get(c, []),
                         acc.lps.get(c) if params.logprobs is not None else None,
                         token_str,
@@ -263,7 +223,7 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
                 started: set[int] = set()
                 prompt_tokens, completion_tokens = 0, 0
                 try:
-                    async for _, u in _merge(streams):
+                    async for _, u in responses.merge(streams):
                         prompt_tokens = u.num_prompt_tokens
                         choices = []
                         for d in u.deltas:
@@ -271,7 +231,9 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
                             role: Any = None if d.index in started else "assistant"
                             started.add(d.index)
                             lp = (
-                                _chat_logprobs(d.token_ids, d.logprobs, token_str, top_n) if want_lp else None
+                                responses.chat_logprobs(d.token_ids, d.logprobs, token_str, top_n)
+                                if want_lp
+                                else None
                             )
                             choices.append(
                                 api.ChatChunkChoice(
@@ -282,27 +244,27 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
                                 )
                             )
                         if choices:
-                            yield _sse(
+                            yield responses.sse(
                                 api.ChatCompletionChunk(id=rid, model=served_model_name, choices=choices)
                             )
                     if include_usage:
-                        usage = _usage(prompt_tokens, completion_tokens)
-                        yield _sse(
+                        usage = responses.usage(prompt_tokens, completion_tokens)
+                        yield responses.sse(
                             api.ChatCompletionChunk(id=rid, model=served_model_name, choices=[], usage=usage)
                         )
                 except EngineDeadError as e:
-                    yield _sse(ApiError(503, str(e), "server_error").body)
+                    yield responses.sse(ApiError(503, str(e), "server_error").body)
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
         async def collect() -> api.ChatCompletionResponse:
-            acc = await _accumulate(streams, params.n)
+            acc = await responses.accumulate(streams, params.n)
             choices = [
                 api.ChatChoice(
                     index=k,
                     message=api.AssistantMessage(content="".join(acc.text.get(k, []))),
-                    logprobs=_chat_logprobs(acc.toks.get(k, []), acc.lps.get(k), token_str, top_n)
+                    logprobs=responses.chat_logprobs(acc.toks.get(k, []), acc.lps.get(k), token_str, top_n)
                     if want_lp
                     else None,
                     finish_reason=acc.reasons.get(k),
@@ -316,33 +278,6 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
         return await _run_collect(request, collect(), streams)
 
     return app
-
-
-@dataclass(slots=True)
-class _Accumulated:
-    """A non-streamed response's choices, by choice index (prompt * n + sequence)."""
-
-    text: dict[int, list[str]] = field(default_factory=dict)
-    toks: dict[int, list[int]] = field(default_factory=dict)
-    lps: dict[int, list[dict[int, float]]] = field(default_factory=dict)
-    reasons: dict[int, str | None] = field(default_factory=dict)
-    prompt_tokens: dict[int, int] = field(default_factory=dict)
-
-    def usage(self) -> api.Usage:
-        return _usage(sum(self.prompt_tokens.values()), sum(len(t) for t in self.toks.values()))
-
-
-async def _accumulate(streams: list[AsyncIterator[Update]], n: int) -> _Accumulated:
-    acc = _Accumulated()
-    async for i, u in _merge(streams):
-        acc.prompt_tokens[i] = u.num_prompt_tokens
-        for d in u.deltas:
-            c = i * n + d.index
-            acc.text.setdefault(c, []).append(d.text)
-            acc.toks.setdefault(c, []).extend(d.token_ids)
-            acc.lps.setdefault(c, []).extend(d.logprobs or [])
-            acc.reasons[c] = d.finish_reason
-    return acc
 
 
 def _params(make: Callable[[], SamplingParams]) -> SamplingParams:
@@ -364,45 +299,3 @@ async def _run_collect(request: Request, work: Awaitable[T], streams: list[Async
         raise ApiError(503, str(e), "server_error") from None
     finally:
         await _close(streams)
-
-
-def _usage(prompt: int, completion: int) -> api.Usage:
-    return api.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
-def _completion_logprobs(
-    toks: list[int], lps: list[dict[int, float]] | None, token_str: Callable[[int], str], offset: int
-) -> api.CompletionLogprobs | None:
-    if lps is None:
-        return None
-    out = api.CompletionLogprobs()
-    for t, d in zip(toks, lps, strict=False):
-        out.tokens.append(token_str(t))
-        out.token_logprobs.append(d[t])
-        out.top_logprobs.append({token_str(k): v for k, v in d.items()})
-        out.text_offset.append(offset)
-        offset += len(out.tokens[-1])
-    return out
-
-
-def _chat_logprobs(
-    toks: list[int], lps: list[dict[int, float]] | None, token_str: Callable[[int], str], top_n: int
-) -> api.ChatLogprobs | None:
-    if lps is None:
-        return None
-    content = []
-    for t, d in zip(toks, lps, strict=False):
-        s = token_str(t)
-        top = sorted(d.items(), key=lambda kv: -kv[1])
-        content.append(
-            api.ChatTokenLogprob(
-                token=s,
-                logprob=d[t],
-                bytes=list(s.encode()),
-                top_logprobs=[
-                    api.TopLogprob(token=token_str(k), logprob=v, bytes=list(token_str(k).encode()))
-                    for k, v in top[:top_n]
-                ],
-            )
-        )
-    return api.ChatLogprobs(content=content)

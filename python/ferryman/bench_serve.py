@@ -209,9 +209,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
 
 def main(a: argparse.Namespace) -> int:
     report = asyncio.run(run(a))
-    if a.json:
-        print(json.dumps(report))
-    else:
-        for k, v in report.items():
-            print(f"{k}: {v}")
+    from ferryman.cli import print_report
+
+    print_report(report, a.json)
     return 0 if report["failed"] == 0 else 1

@@ -1,5 +1,5 @@
 """The ``ferryman`` command, one entry point: ``serve``, ``generate``, ``chat``,
-``bench throughput``, ``bench serve`` and ``plot``. Every Engine knob is a flag of the commands
+``bench throughput``, ``bench serve``, ``sim`` and ``plot``. Every Engine knob is a flag of the commands
 that build an engine (``add_engine_args``)."""
 
 from __future__ import annotations
@@ -122,6 +122,10 @@ def _parser() -> argparse.ArgumentParser:
 
     bench_serve.add_args(b.add_parser("serve", help="load generator against a running server"))
 
+    from ferryman.sim import command as sim_command
+
+    sim_command.add_args(sub.add_parser("sim", help="the real scheduler against a GPU step-time model"))
+
     pl = sub.add_parser("plot", help="draw a --trace file: KV use, token budget, queues, preemptions")
     pl.add_argument("trace")
     pl.add_argument("-o", "--out", default="trace.png")
@@ -136,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
 
             return bench_serve.main(a)
         return _bench_throughput(a)
+    if a.cmd == "sim":
+        from ferryman.sim import command as sim_command
+
+        return sim_command.main(a)
     if a.cmd == "plot":
         from ferryman.plot import plot_trace
 
@@ -242,12 +250,17 @@ def _bench_throughput(a: argparse.Namespace) -> int:
         report["transformers"] = hf
         base = ample or ours  # transformers is compared with the ample-pool run
         report["ratio_vs_transformers"] = round(base["output_tokens_per_s"] / hf["output_tokens_per_s"], 3)
-    if a.json:
+    print_report(report, a.json)
+    return 0
+
+
+def print_report(report: dict[str, Any], as_json: bool) -> None:
+    """A benchmark's report: one JSON object, or ``key: value`` lines."""
+    if as_json:
         print(json.dumps(report))
     else:
         for k, v in report.items():
             print(f"{k}: {v}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -4,9 +4,10 @@
 //! Victims. Modes "recompute" and "swap" take the running request of highest precedence key
 //! (policy "fcfs": fewest preemptions, then latest arrival; "priority": largest priority value
 //! first). Mode "auto" looks at every running request in that same worst policy class (same
-//! priority and preemption count) and takes the one that frees the most device blocks per second
-//! of restore cost, so a victim whose blocks are mostly shared with forks (which frees little) is
-//! passed over; ties go to the policy's order.
+//! priority and preemption count) and passes over the policy's victim only for one that frees at
+//! least `AUTO_VICTIM_MARGIN` (1.2x) as many device blocks per second of restore cost, so a victim
+//! whose blocks are mostly shared with forks (which frees little) is passed over, while near ties
+//! (the usual case: blocks freed and restore cost grow together) keep the policy's order.
 //!
 //! Modes. Restore cost of a victim that has computed `c` tokens:
 //! - swap:      2 x blocks_for(c) x bytes_per_block / host_link_bytes_per_s (out and back in);
@@ -24,6 +25,10 @@ use crate::config::{PreemptionMode, PreemptionModeConfig};
 use crate::outputs::PreemptionEvent;
 use crate::request::RequestStatus;
 use crate::scheduler::{Scheduler, StepPlan};
+
+/// How much more blocks-freed-per-second-of-restore-cost another victim must offer before
+/// "auto" passes over the policy's own victim.
+const AUTO_VICTIM_MARGIN: f64 = 1.2;
 
 /// The estimated restore costs of preempting one request.
 #[derive(Debug, Clone, Copy)]
@@ -75,18 +80,22 @@ impl Scheduler {
             return worst;
         }
         let (w_prio, w_pre, _) = key(worst);
-        let mut best = (worst, f64::NEG_INFINITY, key(worst));
-        for i in 0..self.running.len() {
-            let k = key(i);
-            if (k.0, k.1) != (w_prio, w_pre) {
-                continue;
-            }
+        let score = |i: usize| {
             let slot = self.running[i];
             let freed = self.kv.num_exclusive_blocks(slot) as f64;
-            let (_, cost) = self.restore_cost(slot).cheaper();
-            let score = freed / (cost + 1e-9);
-            if score > best.1 || (score == best.1 && k > best.2) {
-                best = (i, score, k);
+            freed / (self.restore_cost(slot).cheaper().1 + 1e-9)
+        };
+        // The policy's victim stays unless another in its class is clearly better: a near tie
+        // (most victims free blocks at about the same rate) must not reorder fcfs by noise.
+        let mut best = (worst, score(worst));
+        for i in 0..self.running.len() {
+            let k = key(i);
+            if i == worst || (k.0, k.1) != (w_prio, w_pre) {
+                continue;
+            }
+            let s = score(i);
+            if s > best.1 * AUTO_VICTIM_MARGIN {
+                best = (i, s);
             }
         }
         best.0

@@ -1,0 +1,120 @@
+"""``ferryman sim`` flags and entry point."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import fields
+from typing import Any
+
+from ferryman.sim.presets import GPUS, MODEL_SHAPES, gpu, model_shape
+from ferryman.sim.simulator import SimConfig, simulate
+from ferryman.sim.sweep import parse_sweep, plot, sweep, table
+from ferryman.sim.workload import from_json, synthetic
+from ferryman.trace import TraceWriter
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpu", default="h200", help=f"one of {sorted(GPUS)}")
+    p.add_argument(
+        "--model-shape", default="llama-3-8b", help=f"one of {sorted(MODEL_SHAPES)} or a config.json"
+    )
+    p.add_argument(
+        "--gpu-set", action="append", default=[], metavar="FIELD=VALUE", help="override a GPU field"
+    )
+    p.add_argument(
+        "--shape-set", action="append", default=[], metavar="FIELD=VALUE", help="override a shape field"
+    )
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-requests", type=int, default=1000)
+    w.add_argument("--rate", type=float, default=8.0, help="requests per second (inf: all at t=0)")
+    w.add_argument("--arrival", default="poisson", choices=["poisson", "burst"])
+    w.add_argument("--burst-size", type=int, default=64)
+    w.add_argument(
+        "--prompt-len", default="uniform:128:1024", help="fixed:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA"
+    )
+    w.add_argument("--output-len", default="uniform:64:512")
+    w.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with")
+    w.add_argument("--workload", default=None, help="a JSON trace instead of synthetic requests")
+    w.add_argument("--seed", type=int, default=0)
+    e = p.add_argument_group("engine")
+    defaults = SimConfig()
+    for f in fields(SimConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        if isinstance(default, bool):
+            p.add_argument(
+                "--no-" + f.name.replace("_", "-").removeprefix("enable-"),
+                dest=f.name,
+                action="store_false",
+                default=default,
+            )
+        else:
+            kind: Any = (
+                type(default)
+                if default is not None
+                else (int if "blocks" in f.name or "len" in f.name else float)
+            )
+            e.add_argument(flag, type=kind, default=default)
+    p.add_argument("--trace", default=None, help="step trace (JSON lines, `ferryman plot` draws it)")
+    p.add_argument("--sweep", default=None, metavar="KNOB=V1,V2,...", help="run once per value")
+    p.add_argument("--plot", default=None, help="with --sweep: a PNG of throughput and TTFT per value")
+    p.add_argument("--json", action="store_true", help="print JSON (one object, or one per sweep value)")
+
+
+def _pairs(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        k, sep, v = item.partition("=")
+        if not sep:
+            raise ValueError(f"expected FIELD=VALUE, got {item!r}")
+        try:
+            out[k] = int(v)
+        except ValueError:
+            try:
+                out[k] = float(v)
+            except ValueError:
+                out[k] = v
+    return out
+
+
+def main(a: argparse.Namespace) -> int:
+    g = gpu(a.gpu, **_pairs(a.gpu_set))
+    shape = model_shape(a.model_shape, **_pairs(a.shape_set))
+    if a.workload:
+        work = from_json(a.workload, vocab=shape.vocab_size, seed=a.seed)
+    else:
+        work = synthetic(
+            a.num_requests,
+            a.rate,
+            a.prompt_len,
+            a.output_len,
+            arrival=a.arrival,
+            burst_size=a.burst_size,
+            shared_prefix=a.shared_prefix,
+            vocab=shape.vocab_size,
+            seed=a.seed,
+        )
+    cfg = SimConfig(**{f.name: getattr(a, f.name) for f in fields(SimConfig)})
+    if a.sweep:
+        knob, values = parse_sweep(a.sweep)
+        rows = sweep(g, shape, work, cfg, knob, values)
+        if a.json:
+            for r in rows:
+                print(json.dumps(r))
+        else:
+            print(f"{g.name}, {shape.name}, {len(work)} requests")
+            print(table(rows, knob))
+        if a.plot:
+            print(plot(rows, knob, a.plot, f"{g.name}, {shape.name}: sweep of {knob}"))
+        return 0
+    trace = TraceWriter(a.trace) if a.trace else None
+    try:
+        report = simulate(g, shape, work, cfg, trace)
+    finally:
+        if trace is not None:
+            trace.close()
+    from ferryman.cli import print_report
+
+    print_report(report, a.json)
+    return 0

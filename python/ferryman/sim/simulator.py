@@ -1,0 +1,210 @@
+"""``simulate()``: ferryman's own Rust scheduler, unchanged, driven by a virtual clock whose steps
+last what the roofline (``cost.py``) says the planned batch takes on the chosen GPU.
+
+Each iteration: admit the requests that have arrived by now, ``schedule()``, price the plan
+(forward + swap traffic), advance the clock, and ``update()`` with a dummy token per sample (no
+EOS, so every request ends at its ``output_len``). When nothing is running or waiting the clock
+jumps to the next arrival.
+
+Pool sizes follow a GPU deployment: device KV = ``memory * gpu_memory_utilization`` minus the
+weights and an activation reserve (``max_num_batched_tokens * (8 h + 2 I) * b`` plus fp32 logits
+for ``max_num_seqs`` rows), host KV = ``swap_space`` GiB. The core's ``auto`` cost model gets
+what start-up calibration would measure there: the exact bytes per block, the GPU's host-link
+bandwidth, and the roofline's prefill rate at the token budget.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from ferryman._core import Scheduler, SchedulerConfig
+from ferryman.sim.cost import Roofline
+from ferryman.sim.presets import GpuSpec, ModelShape
+from ferryman.sim.workload import Workload
+from ferryman.trace import TraceWriter, step_record
+
+_TOKEN = np.int32(1)
+
+
+@dataclass(slots=True)
+class SimConfig:
+    block_size: int = 16
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # default: the workload's longest request
+    gpu_memory_utilization: float = 0.9
+    swap_space: float = 4.0  # GiB of host KV
+    num_device_blocks: int | None = None  # override the memory-derived pool
+    num_host_blocks: int | None = None
+    preemption_mode: str = "auto"
+    policy: str = "fcfs"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    dtype_bytes: int = 2
+    compute_efficiency: float = 0.6
+    bandwidth_efficiency: float = 0.8
+    step_overhead_s: float = 1e-3
+
+
+def pool_sizes(gpu: GpuSpec, shape: ModelShape, cfg: SimConfig) -> tuple[int, int, int]:
+    """(device blocks, host blocks, bytes per block) for this deployment."""
+    b = cfg.dtype_bytes
+    block_bytes = shape.kv_bytes_per_token(b) * cfg.block_size
+    if cfg.num_device_blocks is None:
+        weights = shape.num_params * b
+        h, inter = shape.hidden_size, shape.intermediate_size
+        activations = (
+            cfg.max_num_batched_tokens * (8 * h + 2 * inter) * b + cfg.max_num_seqs * shape.vocab_size * 4
+        )
+        kv = gpu.memory_bytes * cfg.gpu_memory_utilization - weights - activations
+        if kv < block_bytes:
+            raise ValueError(
+                f"{shape.name} ({weights / 1e9:.1f} GB of weights) leaves no KV memory on {gpu.name} at "
+                f"gpu_memory_utilization={cfg.gpu_memory_utilization}"
+            )
+        device = int(kv // block_bytes)
+    else:
+        device = cfg.num_device_blocks
+    host = (
+        cfg.num_host_blocks
+        if cfg.num_host_blocks is not None
+        else int(cfg.swap_space * (1 << 30)) // block_bytes
+    )
+    return device, host, block_bytes
+
+
+def _pct(x: np.ndarray, q: float) -> float:
+    return float(np.percentile(x, q)) if len(x) else 0.0
+
+
+def _dist(name: str, x: np.ndarray) -> dict[str, float]:
+    ms = x * 1e3
+    return {
+        f"{name}_mean_ms": round(float(ms.mean()) if len(ms) else 0.0, 3),
+        **{f"{name}_p{q}_ms": round(_pct(ms, q), 3) for q in (50, 90, 99)},
+    }
+
+
+def simulate(
+    gpu: GpuSpec,
+    shape: ModelShape,
+    work: Workload,
+    cfg: SimConfig | None = None,
+    trace: TraceWriter | None = None,
+) -> dict[str, Any]:
+    """Runs the workload to completion; returns the report (throughput, latency percentiles,
+    preemptions by mode, bytes swapped, recomputed tokens, KV utilisation)."""
+    cfg = cfg or SimConfig()
+    roof = Roofline(
+        gpu, shape, cfg.dtype_bytes, cfg.compute_efficiency, cfg.bandwidth_efficiency, cfg.step_overhead_s
+    )
+    device, host, block_bytes = pool_sizes(gpu, shape, cfg)
+    longest = int((work.prompt_len + work.output_len).max())
+    sched = Scheduler(
+        SchedulerConfig(
+            block_size=cfg.block_size,
+            num_device_blocks=device,
+            num_host_blocks=host,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_seqs=cfg.max_num_seqs,
+            max_model_len=cfg.max_model_len or longest,
+            enable_chunked_prefill=cfg.enable_chunked_prefill,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            preemption_mode=cfg.preemption_mode,
+            policy=cfg.policy,
+            bytes_per_block=float(block_bytes),
+            host_link_bytes_per_s=gpu.host_link_bytes_per_s,
+            prefill_tokens_per_s=roof.prefill_tokens_per_s(cfg.max_num_batched_tokens),
+        )
+    )
+    n = len(work)
+    first = np.full(n, np.nan)
+    last = np.full(n, np.nan)
+    done = np.full(n, np.nan)
+    produced = np.zeros(n, dtype=np.int64)
+    itl: list[np.ndarray] = []
+    clock, nxt, steps, busy_s, kv_used_s, swap_s_total = 0.0, 0, 0, 0.0, 0.0, 0.0
+    started = time.perf_counter()
+    out_len = work.output_len
+    tokens = np.full(cfg.max_num_seqs, _TOKEN, dtype=np.int32)  # the dummy sample of every row
+    while nxt < n or sched.has_unfinished_requests():
+        while nxt < n and work.arrival_s[nxt] <= clock:
+            prio = 0 if work.priority is None else int(work.priority[nxt])
+            sched.add_request(nxt, work.prompts[nxt], int(out_len[nxt]), priority=prio)
+            nxt += 1
+        if not sched.has_unfinished_requests():
+            clock = float(work.arrival_s[nxt])
+            continue
+        plan = sched.schedule()
+        cost = roof.plan_cost(plan)
+        moved = len(plan.blocks_to_swap_out) + len(plan.blocks_to_swap_in)
+        swap_s = moved * block_bytes / gpu.host_link_bytes_per_s
+        dt = cost.step_s + swap_s
+        if dt == 0.0:  # nothing could run: only a new arrival changes that
+            if nxt >= n:
+                raise RuntimeError("simulation stalled: requests left but none can be scheduled")
+            clock = max(clock, float(work.arrival_s[nxt]))
+            sched.update(np.zeros(0, dtype=np.int32))
+            continue
+        clock += dt
+        steps += 1
+        busy_s += dt
+        swap_s_total += swap_s
+        kv_used_s += dt * (1.0 - plan.num_free_device_blocks / device)
+        res = sched.update(tokens[: len(plan.logits_indices)])
+        ids = res.req_ids
+        if len(ids):
+            seen = ~np.isnan(first[ids])
+            itl.append(clock - last[ids[seen]])
+            first[ids[~seen]] = clock
+            last[ids] = clock
+            produced[ids] += 1  # one sample per request per step: ids are distinct
+            fin = ids[produced[ids] >= out_len[ids]]
+            done[fin] = clock
+        events = sched.drain_events()
+        if trace is not None:
+            trace.write(step_record(plan, sched.config, events, clock, dt))
+            for e in events:
+                trace.write({"type": "preemption", **e})
+    wall = time.perf_counter() - started
+    st = sched.stats()
+    arrival = work.arrival_s
+    tpot_mask = out_len > 1
+    tpot = (done - first)[tpot_mask] / (out_len[tpot_mask] - 1)
+    makespan = float(done.max() - arrival.min())
+    by_class = {}
+    if work.priority is not None:
+        for p in np.unique(work.priority).tolist():
+            sel = work.priority == p
+            by_class[f"ttft_p99_ms_priority_{p}"] = round(_pct((first - arrival)[sel] * 1e3, 99), 3)
+    return {
+        "gpu": gpu.name,
+        "model": shape.name,
+        "num_requests": n,
+        "config": asdict(cfg),
+        "num_device_blocks": device,
+        "num_host_blocks": host,
+        "bytes_per_block": block_bytes,
+        "steps": steps,
+        "duration_s": round(makespan, 4),
+        "request_throughput": round(n / makespan, 4),
+        "output_token_throughput": round(float(out_len.sum()) / makespan, 2),
+        **_dist("ttft", first - arrival),
+        **_dist("tpot", tpot),
+        **_dist("itl", np.concatenate(itl) if itl else np.zeros(0)),
+        **_dist("e2e", done - arrival),
+        **by_class,
+        "preemptions_recompute": st["num_preemptions_recompute"],
+        "preemptions_swap": st["num_preemptions_swap"],
+        "swap_fallbacks": st["num_swap_fallbacks"],
+        "bytes_swapped": (st["num_blocks_swapped_out"] + st["num_blocks_swapped_in"]) * block_bytes,
+        "swap_time_s": round(swap_s_total, 4),
+        "tokens_recomputed": st["num_tokens_recomputed"],
+        "prefix_cache_hit_rate": round(st["prefix_cache_hits"] / max(1, st["prefix_cache_queries"]), 4),
+        "kv_utilization": round(kv_used_s / busy_s, 4) if busy_s else 0.0,
+        "sim_wall_s": round(wall, 3),
+    }

@@ -1,0 +1,122 @@
+"""Workloads for ``ferryman sim``: synthetic (Poisson or burst arrivals, prompt and output length
+distributions) or a JSON trace. Everything is drawn from one seeded generator, so a seed fixes the
+workload exactly.
+
+Length distributions are written ``fixed:N``, ``uniform:LO:HI`` or ``lognormal:MEDIAN:SIGMA``
+(clipped to at least 1). A JSON trace is a list of ``{"arrival_s", "prompt_len", "output_len"}``
+objects (``arrival_s`` defaults to 0; ``prompt_tokens`` may replace ``prompt_len``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class Workload:
+    arrival_s: np.ndarray  # float64 [n], non-decreasing
+    prompt_len: np.ndarray  # int64 [n]
+    output_len: np.ndarray  # int64 [n]
+    prompts: list[np.ndarray]  # int32 token ids per request (prefix caching sees real ids)
+    priority: np.ndarray | None = None  # int64 [n]; lower runs first, higher is preempted first
+
+    def __len__(self) -> int:
+        return len(self.arrival_s)
+
+
+def lengths(spec: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    kind, _, rest = spec.partition(":")
+    args = [float(x) for x in rest.split(":")] if rest else []
+    if kind == "fixed" and len(args) == 1:
+        out = np.full(n, args[0])
+    elif kind == "uniform" and len(args) == 2:
+        out = rng.integers(int(args[0]), int(args[1]) + 1, size=n)
+    elif kind == "lognormal" and len(args) == 2:
+        out = rng.lognormal(np.log(args[0]), args[1], size=n)
+    else:
+        raise ValueError(
+            f"bad length distribution {spec!r}: use fixed:N, uniform:LO:HI or lognormal:MEDIAN:SIGMA"
+        )
+    result: np.ndarray = np.maximum(1, np.rint(out)).astype(np.int64)
+    return result
+
+
+def _prompts(
+    own_len: np.ndarray, rng: np.random.Generator, vocab: int, shared_prefix: int
+) -> list[np.ndarray]:
+    """Token ids: a common prefix of ``shared_prefix`` tokens, then each request's own tokens."""
+    prefix = rng.integers(0, vocab, size=shared_prefix, dtype=np.int32)
+    return [
+        np.concatenate([prefix, rng.integers(0, vocab, size=n, dtype=np.int32)]) for n in own_len.tolist()
+    ]
+
+
+def synthetic(
+    num_requests: int,
+    rate: float,
+    prompt_len: str,
+    output_len: str,
+    *,
+    arrival: str = "poisson",
+    burst_size: int = 64,
+    shared_prefix: int = 0,
+    interactive_every: int = 0,
+    vocab: int = 32000,
+    seed: int = 0,
+) -> Workload:
+    """``arrival="poisson"``: exponential gaps at ``rate`` per second (``inf``: all at t=0).
+    ``"burst"``: groups of ``burst_size`` requests arrive together, groups at ``rate / burst_size``
+    per second (the same mean rate). ``shared_prefix`` tokens (a system prompt) precede each
+    prompt's own ``prompt_len`` tokens. ``interactive_every=k`` gives every k-th request priority 0
+    and the rest priority 1 (for the ``priority`` victim policy)."""
+    if num_requests < 1:
+        raise ValueError("num_requests must be >= 1")
+    rng = np.random.default_rng(seed)
+    if rate == float("inf"):
+        t = np.zeros(num_requests)
+    elif rate <= 0:
+        raise ValueError("rate must be > 0 (or inf)")
+    elif arrival == "poisson":
+        t = np.cumsum(rng.exponential(1.0 / rate, size=num_requests))
+    elif arrival == "burst":
+        groups = -(-num_requests // burst_size)
+        starts = np.cumsum(rng.exponential(burst_size / rate, size=groups))
+        t = np.repeat(starts, burst_size)[:num_requests]
+    else:
+        raise ValueError(f"arrival must be 'poisson' or 'burst', got {arrival!r}")
+    p, o = lengths(prompt_len, num_requests, rng), lengths(output_len, num_requests, rng)
+    prio = None
+    if interactive_every > 0:
+        prio = np.ones(num_requests, dtype=np.int64)
+        prio[::interactive_every] = 0
+    return Workload(t, p + shared_prefix, o, _prompts(p, rng, vocab, shared_prefix), prio)
+
+
+def from_json(path: str | Path, *, vocab: int = 32000, seed: int = 0) -> Workload:
+    rows = json.loads(Path(path).read_text())
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"{path}: expected a non-empty JSON list of requests")
+    try:
+        t = np.array([float(r.get("arrival_s", 0.0)) for r in rows])
+        p = np.array([int(r.get("prompt_len") or len(r["prompt_tokens"])) for r in rows], dtype=np.int64)
+        o = np.array([int(r["output_len"]) for r in rows], dtype=np.int64)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(
+            f"{path}: each request needs prompt_len (or prompt_tokens) and output_len ({e})"
+        ) from None
+    if (p < 1).any() or (o < 1).any():
+        raise ValueError(f"{path}: prompt_len and output_len must be >= 1")
+    order = np.argsort(t, kind="stable")
+    rng = np.random.default_rng(seed)
+    prompts = [
+        np.asarray(rows[i]["prompt_tokens"], dtype=np.int32) if "prompt_tokens" in rows[i] else None
+        for i in order.tolist()
+    ]
+    drawn = _prompts(p[order], rng, vocab, 0)
+    return Workload(
+        t[order], p[order], o[order], [a if a is not None else b for a, b in zip(prompts, drawn, strict=True)]
+    )

@@ -1,0 +1,145 @@
+"""``ferryman sim``: the roofline on hand-computed cases and on two published measurements,
+determinism, and scenarios where swap or recompute must win, checked against ``auto``'s choices."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ferryman.sim import GpuSpec, ModelShape, Roofline, SimConfig, gpu, model_shape, simulate, synthetic
+from ferryman.sim.simulator import pool_sizes
+
+TOY_GPU = GpuSpec("toy", peak_flops=1e12, hbm_bytes_per_s=1e11, host_link_bytes_per_s=1e9, memory_bytes=1e10)
+TOY = ModelShape(
+    "toy",
+    num_layers=2,
+    hidden_size=8,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=4,
+    intermediate_size=16,
+    vocab_size=10,
+)
+
+
+def test_roofline_by_hand() -> None:
+    r = Roofline(
+        TOY_GPU, TOY, dtype_bytes=2, compute_efficiency=0.5, bandwidth_efficiency=0.5, step_overhead_s=0.0
+    )
+    # params per layer: q,o 8*2*4*2 = 128; k,v 8*1*4*2 = 64; mlp 3*8*16 = 384 -> 576
+    assert TOY.params_per_layer == 576
+    # a decode row at KV length 5 and a prefill chunk of 3 tokens ending at 7; both sampled
+    q, s = np.array([1, 3]), np.array([5, 7])
+    pairs = (1 * 5 - 0) + (3 * 7 - 3)  # 5 + 18 = 23 (query, key) pairs
+    flops = 2 * 2 * 576 * 4 + 2 * 8 * 10 * 2 + 4 * 2 * 2 * 4 * pairs
+    kv_per_token = 2 * 2 * 1 * 4 * 2  # 32 bytes
+    nbytes = 2 * (2 * 576 + 8 * 10) + kv_per_token * (5 + 7) + kv_per_token * 4
+    c = r.cost(q, s, 2)
+    assert (c.flops, c.bytes) == (flops, nbytes)
+    assert c.step_s == pytest.approx(max(flops / 0.5e12, nbytes / 0.5e11))
+    assert r.cost(np.zeros(0), np.zeros(0), 0).step_s == 0.0
+
+
+@pytest.mark.parametrize(
+    ("batch", "out_len", "published"),
+    [(64, 128, 3486.0), (32, 2048, 1459.0)],  # TensorRT-LLM, A100 80GB FP16, LLaMA 7B, input 128
+)
+def test_roofline_against_published_static_batches(batch: int, out_len: int, published: float) -> None:
+    work = synthetic(batch, float("inf"), "fixed:128", f"fixed:{out_len}", vocab=32000)
+    cfg = SimConfig(max_num_seqs=batch, max_num_batched_tokens=8192, enable_prefix_caching=False)
+    r = simulate(gpu("a100"), model_shape("llama-2-7b"), work, cfg)
+    assert r["preemptions_recompute"] + r["preemptions_swap"] == 0
+    assert r["output_token_throughput"] == pytest.approx(published, rel=0.10)
+
+
+def test_same_seed_same_result_and_different_seed_differs() -> None:
+    def run(seed: int) -> dict[str, object]:
+        work = synthetic(300, 20.0, "uniform:64:1024", "uniform:16:256", seed=seed, vocab=32000)
+        r = simulate(gpu("l4"), model_shape("mistral-7b"), work, SimConfig(num_device_blocks=400))
+        r.pop("sim_wall_s")
+        return r
+
+    a, b = run(3), run(3)
+    assert a == b
+    assert a["preemptions_recompute"] + a["preemptions_swap"] > 0  # type: ignore[operator]
+    assert run(4) != a
+
+
+def test_pool_sizes_follow_memory() -> None:
+    shape, g = model_shape("llama-3-8b"), gpu("h200")
+    dev, host, block = pool_sizes(g, shape, SimConfig(swap_space=4))
+    assert block == 16 * 2 * 32 * 8 * 128 * 2
+    assert host == (4 << 30) // block
+    kv_bytes = dev * block
+    assert 0.8 * 141e9 - 16.1e9 < kv_bytes < 0.9 * 141e9 - 16.0e9  # what is left after weights
+    with pytest.raises(ValueError, match="leaves no KV memory"):
+        pool_sizes(gpu("l4"), model_shape("llama-3-70b"), SimConfig())
+
+
+def run_modes(g: GpuSpec, work: object, cfg: SimConfig) -> dict[str, dict[str, float]]:
+    shape = model_shape("llama-3-8b")
+    return {
+        m: simulate(g, shape, work, replace(cfg, preemption_mode=m)) for m in ("recompute", "swap", "auto")
+    }  # type: ignore[arg-type]
+
+
+def test_swap_wins_with_long_contexts_and_a_fast_link_and_auto_swaps() -> None:
+    # long generations outgrow the pool; re-prefilling a victim's thousands of tokens costs more
+    # than moving its blocks over 55 GB/s
+    work = synthetic(200, float("inf"), "uniform:500:1000", "uniform:2000:4000", seed=1, vocab=128256)
+    r = run_modes(gpu("h200"), work, SimConfig(num_device_blocks=3000, max_num_seqs=128, swap_space=64))
+    assert r["recompute"]["preemptions_recompute"] > 0 and r["swap"]["preemptions_swap"] > 0
+    assert r["swap"]["output_token_throughput"] > r["recompute"]["output_token_throughput"]
+    auto = r["auto"]
+    assert auto["preemptions_swap"] > 0 and auto["preemptions_recompute"] == 0
+    assert auto["output_token_throughput"] >= 0.98 * r["swap"]["output_token_throughput"]
+
+
+def test_recompute_wins_with_short_contexts_and_a_slow_link_and_auto_recomputes() -> None:
+    # a 1 GB/s host link (a shared or throttled PCIe path): short requests re-prefill faster
+    slow = gpu("h200", host_link_bytes_per_s=1e9)
+    work = synthetic(600, float("inf"), "uniform:32:128", "uniform:300:900", seed=2, vocab=128256)
+    r = run_modes(slow, work, SimConfig(num_device_blocks=1200, max_num_seqs=256))
+    assert r["recompute"]["preemptions_recompute"] > 0 and r["swap"]["preemptions_swap"] > 0
+    assert r["recompute"]["output_token_throughput"] > r["swap"]["output_token_throughput"]
+    auto = r["auto"]
+    assert auto["preemptions_recompute"] > 0 and auto["preemptions_swap"] == 0
+    assert auto["output_token_throughput"] >= 0.98 * r["recompute"]["output_token_throughput"]
+
+
+def test_cli_sim_sweep_and_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from ferryman.cli import main
+    from ferryman.plot import plot_trace
+    from ferryman.trace import read_trace
+
+    common = [
+        "sim",
+        "--gpu",
+        "l4",
+        "--model-shape",
+        "mistral-7b",
+        "--num-requests",
+        "120",
+        "--rate",
+        "30",
+        "--num-device-blocks",
+        "300",
+    ]
+    trace = tmp_path / "sim.jsonl"
+    assert main([*common, "--trace", str(trace), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    records = list(read_trace(trace))
+    assert sum(1 for x in records if x["type"] == "step") == report["steps"]
+    events = [x for x in records if x["type"] == "preemption"]
+    assert len(events) == report["preemptions_recompute"] + report["preemptions_swap"] > 0
+    assert Path(plot_trace(trace, tmp_path / "t.png")).read_bytes()[:4] == b"\x89PNG"
+    png = tmp_path / "sweep.png"
+    assert main([*common, "--sweep", "preemption_mode=recompute,swap,auto", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n| ") == 4 and "| swap |" in out and png.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="KNOB"):
+        main([*common, "--sweep", "colour=red"])

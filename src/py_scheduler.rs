@@ -139,6 +139,8 @@ impl PyScheduler {
             ("prefix_cache_hits", c.prefix_cache_hits),
             ("num_events", c.num_events),
             ("num_forks_aborted", c.num_forks_aborted),
+            ("num_blocks_kept_on_swap", c.num_blocks_kept_on_swap),
+            ("num_swap_prefix_lost", c.num_swap_prefix_lost),
             ("scheduler_ns", c.scheduler_ns),
         ] {
             d.set_item(k, v)?;

@@ -9,10 +9,11 @@
 //! whose blocks are mostly shared with forks (which frees little) is passed over, while near ties
 //! (the usual case: blocks freed and restore cost grow together) keep the policy's order.
 //!
-//! Modes. Restore cost of a victim that has computed `c` tokens:
-//! - swap:      2 x blocks_for(c) x bytes_per_block / host_link_bytes_per_s (out and back in);
-//! - recompute: (c - tokens in leading blocks that survive because others hold them and they are
-//!   cached) / prefill_tokens_per_s.
+//! Modes. Restore cost of a victim that has computed `c` tokens, `k` of whose leading blocks
+//! survive its preemption because others hold them and they are cached:
+//! - swap:      2 x (blocks_for(c) - k) x bytes_per_block / host_link_bytes_per_s (out and back
+//!   in; the `k` blocks stay on the device and are taken back from the prefix cache);
+//! - recompute: (c - k x block_size) / prefill_tokens_per_s.
 //!
 //! "auto" takes the cheaper per victim (recompute on a tie); "swap" always swaps. Either falls
 //! back to recompute when the host pool cannot take the blocks: a request is never aborted for
@@ -33,7 +34,10 @@ const AUTO_VICTIM_MARGIN: f64 = 1.2;
 /// The estimated restore costs of preempting one request.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct RestoreCost {
-    /// Blocks holding computed tokens (what a swap moves).
+    /// Leading blocks that survive the preemption (cached, held by others): a swap leaves them
+    /// on the device, a recompute hits them in the prefix cache.
+    pub num_blocks_kept: usize,
+    /// Blocks holding the other computed tokens (what a swap moves).
     pub num_blocks_to_move: usize,
     /// Tokens a recompute must prefill again.
     pub num_tokens_to_recompute: usize,
@@ -59,12 +63,14 @@ impl Scheduler {
         let cfg = &self.cfg;
         let r = self.req(slot);
         let computed = r.num_computed_tokens;
-        let num_blocks_to_move = cfg.blocks_for(computed);
-        let surviving = self.kv.num_surviving_prefix_blocks(slot).min(computed / cfg.block_size);
+        let surviving =
+            self.kv.num_surviving_prefix_blocks(slot).min(computed / cfg.block_size).min(r.block_hashes.len());
+        let num_blocks_to_move = cfg.blocks_for(computed) - surviving;
         let num_tokens_to_recompute = computed - surviving * cfg.block_size;
         let swap_s = (self.kv.num_free_host() >= num_blocks_to_move)
             .then(|| 2.0 * num_blocks_to_move as f64 * cfg.bytes_per_block / cfg.host_link_bytes_per_s);
         RestoreCost {
+            num_blocks_kept: surviving,
             num_blocks_to_move,
             num_tokens_to_recompute,
             swap_s,
@@ -143,9 +149,12 @@ impl Scheduler {
                 self.enqueue_waiting(slot);
             }
             PreemptionMode::Swap => {
-                self.kv.truncate(slot, cost.num_blocks_to_move); // blocks not yet computed
+                let keep = cost.num_blocks_kept;
+                self.kv.truncate(slot, keep + cost.num_blocks_to_move); // blocks not yet computed
                 let first = plan.swap_out.len();
-                self.kv.swap_out(slot, &mut plan.swap_out).expect("restore_cost saw host room");
+                self.kv.swap_out(slot, keep, &mut plan.swap_out).expect("restore_cost saw host room");
+                r.num_swap_prefix_blocks = keep;
+                self.counters.num_blocks_kept_on_swap += keep as u64;
                 // The dropped copy would have filled its destination only after the swap-out
                 // runs; the source still holds that content when the swap-out runs (the
                 // step's first operation), so the victim's block is read from there.

@@ -90,6 +90,9 @@ pub struct Request {
     pub block_hashes: Vec<u128>,
     /// Leading blocks already registered in (or hit from) the prefix cache.
     pub num_cached_blocks: usize,
+    /// While swapped: leading blocks left on the device (cached and held by others) instead of
+    /// copied to the host; swap-in takes them back from the prefix cache.
+    pub num_swap_prefix_blocks: usize,
 }
 
 impl Request {
@@ -149,6 +152,7 @@ mod tests {
             status: RequestStatus::Running,
             num_preemptions: 0,
             block_hashes: vec![],
+            num_swap_prefix_blocks: 0,
             num_cached_blocks: 0,
         }
     }

@@ -74,6 +74,10 @@ pub struct Counters {
     pub num_events: u64,
     /// Forks ended by `abort_request` or `finish_request(.., Abort)`.
     pub num_forks_aborted: u64,
+    /// Leading blocks swaps left on the device (cached, shared) instead of copying them.
+    pub num_blocks_kept_on_swap: u64,
+    /// Swapped requests whose device-kept prefix was evicted meanwhile: recomputed instead.
+    pub num_swap_prefix_lost: u64,
     /// Wall time spent inside `schedule()` and `update()`, in nanoseconds.
     pub scheduler_ns: u64,
 }
@@ -229,6 +233,7 @@ impl Scheduler {
             status: RequestStatus::Waiting,
             num_preemptions: 0,
             block_hashes: Vec::new(),
+            num_swap_prefix_blocks: 0,
             num_cached_blocks: 0,
         };
         self.next_arrival += 1;
@@ -342,20 +347,45 @@ impl Scheduler {
                 break;
             }
             let num_computed = r.num_computed_tokens;
+            let keep = r.num_swap_prefix_blocks;
+            let (hit, free_hits) = self.kv.match_prefix(&r.block_hashes[..keep]);
+            if hit < keep {
+                self.swapped.pop_front();
+                self.recompute_lost_prefix(slot);
+                continue;
+            }
             let Some(num_new) = self.chunk(r.num_tokens() - num_computed, plan.budget) else { break };
-            let need = self.cfg.blocks_for(self.continue_len(r)).max(self.kv.host_table(slot).len());
+            // kept blocks come from the cache; only those now on the free list cost free blocks
+            let need = self.cfg.blocks_for(self.continue_len(r)) - keep + free_hits;
             if self.kv.num_free() < need + self.watermark_now() {
                 break;
             }
             self.swapped.pop_front();
-            self.kv.swap_in(slot, &mut plan.swap_in).expect("counted above");
-            self.counters.num_blocks_swapped_in += self.kv.table(slot).len() as u64;
+            let num_moved = self.kv.host_table(slot).len();
+            let r = self.reqs[slot as usize].as_mut().expect("swapped slot is live");
+            r.num_swap_prefix_blocks = 0;
+            self.kv.swap_in(slot, &r.block_hashes[..keep], free_hits, &mut plan.swap_in).expect("counted above");
+            self.counters.num_blocks_swapped_in += num_moved as u64;
             let cow = self.kv.allocate_slots(slot, num_computed, num_new).expect("counted above");
             debug_assert!(cow.is_none());
             self.make_running(slot);
             plan.scheduled.push(Scheduled { slot, num_new, cow });
             plan.budget -= num_new;
         }
+    }
+
+    /// A swapped request whose device-kept prefix was evicted cannot be swapped back in: it
+    /// drops its host blocks and waits to be recomputed, ahead of new requests.
+    fn recompute_lost_prefix(&mut self, slot: u32) {
+        self.kv.free_host(slot);
+        let r = self.reqs[slot as usize].as_mut().expect("swapped slot is live");
+        self.counters.num_tokens_recomputed += r.num_computed_tokens as u64;
+        r.num_computed_tokens = 0;
+        r.num_cached_blocks = 0;
+        r.num_swap_prefix_blocks = 0;
+        r.status = RequestStatus::Waiting;
+        self.counters.num_swap_prefix_lost += 1;
+        self.enqueue_waiting(slot);
     }
 
     /// Waiting requests are admitted, in precedence order, while the whole of each fits.

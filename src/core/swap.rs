@@ -1,9 +1,12 @@
 //! Swapping on `KvCacheManager`: moving a request's blocks to the host pool and back.
 //!
-//! `swap_out` gives the request a host block for each device block, emits (device, host) pairs
-//! for `blocks_to_swap_out`, and drops its device references (a block shared with a fork stays
-//! on the device for it; cached content stays hittable). `swap_in` does the reverse into fresh
-//! device blocks. Both are all-or-nothing and return `None` when the target pool is short.
+//! `swap_out` gives the request a host block for each device block past its first `keep` ones,
+//! emits (device, host) pairs for `blocks_to_swap_out`, and drops all its device references (a
+//! block shared with a fork stays on the device for it; cached content stays hittable). The
+//! `keep` leading blocks are cached blocks that others hold: copying them would only duplicate
+//! them on the way back, so they stay on the device and `swap_in` takes them back from the
+//! prefix cache by hash, then brings the rest into fresh device blocks. Both are all-or-nothing
+//! and return `None` when the target pool is short.
 //!
 //! Ordering contract with Python: in one step the plans run swap-out, then swap-in, then copy,
 //! all before the forward. The scheduler never swaps in during a step that swapped out, so a
@@ -12,16 +15,17 @@
 use crate::kv_cache_manager::KvCacheManager;
 
 impl KvCacheManager {
-    /// Moves the slot's device table to host blocks, appending (device, host) pairs to `plan`.
-    /// Returns the device blocks freed, or `None` (nothing changed) if the host pool is short.
-    pub fn swap_out(&mut self, slot: u32, plan: &mut Vec<[i32; 2]>) -> Option<usize> {
+    /// Moves the slot's device table past its first `keep` blocks to host blocks, appending
+    /// (device, host) pairs to `plan`, and drops the whole device table. Returns the device
+    /// blocks freed, or `None` (nothing changed) if the host pool is short.
+    pub fn swap_out(&mut self, slot: u32, keep: usize, plan: &mut Vec<[i32; 2]>) -> Option<usize> {
         let s = slot as usize;
-        debug_assert!(self.host_tables[s].is_empty());
-        if self.host.num_free() < self.tables[s].len() {
+        debug_assert!(self.host_tables[s].is_empty() && keep <= self.tables[s].len());
+        if self.host.num_free() < self.tables[s].len() - keep {
             return None;
         }
         let mut host_table = std::mem::take(&mut self.host_tables[s]);
-        for &d in &self.tables[s] {
+        for &d in &self.tables[s][keep..] {
             let h = self.host.allocate().expect("counted above") as i32;
             host_table.push(h);
             plan.push([d, h]);
@@ -30,16 +34,29 @@ impl KvCacheManager {
         Some(self.free(slot))
     }
 
-    /// Brings the slot's host table back into fresh device blocks, appending (host, device)
-    /// pairs to `plan`. `None` (nothing changed) if the device pool is short.
-    pub fn swap_in(&mut self, slot: u32, plan: &mut Vec<[i32; 2]>) -> Option<()> {
+    /// Takes back the cached blocks of `prefix_hashes` (all must be cached: `match_prefix`
+    /// says so first; `num_free_hits` of them are on the free list) and brings the slot's host
+    /// table back into fresh device blocks after them, appending (host, device) pairs to `plan`.
+    /// `None` (nothing changed) if the device pool is short.
+    pub fn swap_in(
+        &mut self,
+        slot: u32,
+        prefix_hashes: &[u128],
+        num_free_hits: usize,
+        plan: &mut Vec<[i32; 2]>,
+    ) -> Option<()> {
         let s = slot as usize;
         debug_assert!(self.tables[s].is_empty());
-        if self.device.num_free() < self.host_tables[s].len() {
+        if self.device.num_free() < self.host_tables[s].len() + num_free_hits {
             return None;
         }
         let host_table = std::mem::take(&mut self.host_tables[s]);
         let mut table = std::mem::take(&mut self.tables[s]);
+        for &h in prefix_hashes {
+            let b = self.prefix_cache.lookup(h).expect("match_prefix saw this hash");
+            self.device.touch(b);
+            table.push(b as i32);
+        }
         for &h in &host_table {
             let d = self.allocate_block().expect("counted above") as i32;
             table.push(d);
@@ -73,16 +90,16 @@ mod tests {
         kv.ensure_slot(1);
         kv.admit(0, &[], 0, 3).unwrap();
         let mut out = Vec::new();
-        assert_eq!(kv.swap_out(0, &mut out), Some(3));
+        assert_eq!(kv.swap_out(0, 0, &mut out), Some(3));
         assert_eq!(out, vec![[1, 1], [2, 2], [3, 3]]);
         assert_eq!((kv.num_free(), kv.num_free_host()), (4, 0));
         assert!(kv.table(0).is_empty());
         // another request takes two device blocks meanwhile
         kv.admit(1, &[], 0, 2).unwrap();
         let mut back = Vec::new();
-        assert_eq!(kv.swap_in(0, &mut back), None); // 2 free < 3 needed
+        assert_eq!(kv.swap_in(0, &[], 0, &mut back), None); // 2 free < 3 needed
         kv.free(1);
-        assert_eq!(kv.swap_in(0, &mut back), Some(()));
+        assert_eq!(kv.swap_in(0, &[], 0, &mut back), Some(()));
         assert_eq!(back.len(), 3);
         assert_eq!(back.iter().map(|p| p[0]).collect::<Vec<_>>(), vec![1, 2, 3]);
         assert_eq!(kv.num_free_host(), 3);
@@ -94,7 +111,7 @@ mod tests {
         kv.ensure_slot(0);
         kv.admit(0, &[], 0, 2).unwrap();
         let mut out = Vec::new();
-        assert_eq!(kv.swap_out(0, &mut out), None);
+        assert_eq!(kv.swap_out(0, 0, &mut out), None);
         assert!(out.is_empty());
         assert_eq!(kv.table(0).len(), 2);
     }

@@ -284,6 +284,7 @@ fn random_operations_keep_every_invariant() {
     let mut total = 0;
     let mut seed: u64 = std::env::var("FERRYMAN_RANDOM_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
     let mut preemptions = [0u64; 2];
+    let (mut kept_prefix_swaps, mut lost_prefixes) = (0u64, 0u64);
     while total < target {
         let mut rng = Rng(seed);
         eprintln!("seed {seed} (rerun alone with FERRYMAN_RANDOM_SEED={seed})"); // shown on failure
@@ -311,11 +312,15 @@ fn random_operations_keep_every_invariant() {
         let c = h.s.counters();
         preemptions[0] += c.num_preemptions_recompute;
         preemptions[1] += c.num_preemptions_swap;
+        kept_prefix_swaps += c.num_blocks_kept_on_swap;
+        lost_prefixes += c.num_swap_prefix_lost;
         total += h.ops;
     }
     println!(
-        "{total} operations over {seed} configs; preemptions recompute={} swap={}",
+        "{total} operations over {seed} configs; preemptions recompute={} swap={}; blocks kept on \
+         the device by swaps={kept_prefix_swaps}, kept prefixes lost={lost_prefixes}",
         preemptions[0], preemptions[1]
     );
     assert!(preemptions[0] > 0 && preemptions[1] > 0, "the workloads must exercise both modes");
+    assert!(kept_prefix_swaps > 0 && lost_prefixes > 0, "and swaps that keep a prefix, kept or lost");
 }

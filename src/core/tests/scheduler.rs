@@ -307,7 +307,8 @@ fn a_victim_whose_copy_on_write_is_dropped_swaps_out_from_the_copy_source() {
     // block 2 into 3 on write; fork 1 then needs a copy too, but the pool is empty, so auto
     // preempts fork 0 (the only fork holding a block of its own) by swap. Fork 0's copy is
     // dropped and block 3 is reused by fork 1's copy, so fork 0's second block must be swapped
-    // out from block 2, which still holds the content when the swap-out runs.
+    // out from block 2, which still holds the content when the swap-out runs. Its first block
+    // (full, cached, held by the other forks) stays on the device and is not copied.
     let mut c = cfg(4, 3, 4);
     c.preemption_mode = PreemptionModeConfig::Auto;
     c.bytes_per_block = 1.0;
@@ -319,7 +320,7 @@ fn a_victim_whose_copy_on_write_is_dropped_swaps_out_from_the_copy_source() {
     assert_eq!(o.preempted_req_ids, vec![16]);
     let e = &s.drain_events()[0];
     assert_eq!((e.seq_index, e.mode), (0, PreemptionMode::Swap));
-    assert_eq!(o.blocks_to_swap_out, vec![[1, 1], [2, 2]]);
+    assert_eq!(o.blocks_to_swap_out, vec![[2, 1]]);
     assert_eq!(o.blocks_to_copy, vec![[2, 3]]);
     assert_eq!(o.seq_indices, vec![1, 2]);
     while s.has_unfinished_requests() {
@@ -379,4 +380,48 @@ fn an_unforked_parallel_request_counts_as_n_sequences() {
     assert_eq!(o.req_ids, vec![1]); // 2 + 2 > 3
     assert_eq!(o.num_running(), 1);
     assert!(s.add_request(3, vec![1], RequestParams { n: 4, ..params(1) }).is_err());
+}
+
+#[test]
+fn swap_leaves_a_shared_cached_prefix_on_the_device_and_takes_it_back() {
+    // request 2 shares request 1's two full prompt blocks [1, 2] through the prefix cache; when
+    // it is swapped out only its own blocks move, and swap-in takes [1, 2] back by hash
+    let mut c = cfg(2, 6, 8);
+    c.preemption_mode = PreemptionModeConfig::Swap;
+    let mut s = Scheduler::new(c).unwrap();
+    let mut lens = Lens::new();
+    add(&mut s, &mut lens, 1, vec![1, 2, 3, 4, 5], params(6));
+    step(&mut s, &mut lens);
+    add(&mut s, &mut lens, 2, vec![1, 2, 3, 4, 9], params(6));
+    let (o, _) = step(&mut s, &mut lens);
+    assert_eq!(o.kv_indices, vec![1, 2, 3, 1, 2, 4]);
+    let mut preempted = None;
+    while preempted.is_none() {
+        let (o, _) = step(&mut s, &mut lens);
+        if !o.preempted_req_ids.is_empty() {
+            preempted = Some(o);
+        }
+    }
+    let o = preempted.unwrap();
+    assert_eq!(o.preempted_req_ids, vec![2]);
+    // the victim's table was [1, 2, 4, 6]: only 4 and 6 are copied to the host
+    assert_eq!(o.blocks_to_swap_out.iter().map(|p| p[0]).collect::<Vec<_>>(), vec![4, 6]);
+    let e = &s.drain_events()[0];
+    assert_eq!((e.mode, e.bytes_to_move), (PreemptionMode::Swap, (2.0 * s.config().bytes_per_block) as u64));
+    let swapped_in = loop {
+        let (o, _) = step(&mut s, &mut lens);
+        if !o.blocks_to_swap_in.is_empty() {
+            break o;
+        }
+    };
+    assert_eq!(swapped_in.blocks_to_swap_in.len(), 2);
+    let at = swapped_in.req_ids.iter().position(|&r| r == 2).unwrap();
+    let table = &swapped_in.kv_indices[swapped_in.kv_indptr[at] as usize..swapped_in.kv_indptr[at + 1] as usize];
+    assert_eq!(&table[..2], &[1, 2]); // the shared prefix, taken back from the cache
+    while s.has_unfinished_requests() {
+        step(&mut s, &mut lens);
+    }
+    assert_eq!((lens[&(1, 0)], lens[&(2, 0)]), (11, 11));
+    let c = s.counters();
+    assert_eq!((c.num_blocks_swapped_out, c.num_blocks_swapped_in, c.num_swap_prefix_lost), (2, 2, 0));
 }

@@ -143,3 +143,45 @@ def test_cli_sim_sweep_and_trace(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert out.count("\n| ") == 4 and "| swap |" in out and png.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="KNOB"):
         main([*common, "--sweep", "colour=red"])
+
+
+def test_json_trace_workload_and_config_json_shape(tmp_path: Path) -> None:
+    from ferryman.sim import from_json
+
+    rows = [
+        {"arrival_s": 0.5, "prompt_len": 40, "output_len": 8},
+        {"prompt_tokens": [5, 6, 7], "output_len": 3},
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(rows))
+    w = from_json(path, vocab=1000)
+    assert w.arrival_s.tolist() == [0.0, 0.5]  # sorted by arrival
+    assert w.prompt_len.tolist() == [3, 40] and w.output_len.tolist() == [3, 8]
+    assert w.prompts[0].tolist() == [5, 6, 7] and len(w.prompts[1]) == 40
+    r = simulate(gpu("l4"), model_shape("smollm2-135m"), w)
+    assert r["num_requests"] == 2 and r["duration_s"] > 0.5
+    path.write_text(json.dumps([{"output_len": 3}]))
+    with pytest.raises(ValueError, match="prompt_len"):
+        from_json(path)
+    cfg = {
+        "num_hidden_layers": 4,
+        "hidden_size": 256,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "intermediate_size": 512,
+        "vocab_size": 1000,
+        "tie_word_embeddings": True,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    shape = model_shape(str(tmp_path))
+    assert (shape.num_layers, shape.head_dim, shape.num_kv_heads, shape.tie_word_embeddings) == (
+        4,
+        32,
+        2,
+        True,
+    )
+    assert model_shape("llama-3-8b", num_layers=2).num_layers == 2
+    with pytest.raises(ValueError, match="unknown model shape"):
+        model_shape("no-such-model")
+    with pytest.raises(ValueError, match="unknown field"):
+        gpu("h100", colour=1)

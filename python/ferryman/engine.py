@@ -213,7 +213,7 @@ class Engine:
             sreq = self._reqs.get(r)
             if sreq is not None and sreq.metrics.first_scheduled_time is None:
                 sreq.metrics.first_scheduled_time = now
-        used = self.kv.device_kv.shape[1] - 1 - out.num_free_device_blocks
+        used = self.kv.num_device_blocks - out.num_free_device_blocks
         self.peak_blocks_used = max(self.peak_blocks_used, used)
         logits = self.runner.execute(out)
         sampled, logprobs = self._sample(logits, out.sample_req_ids, out.sample_seq_indices)

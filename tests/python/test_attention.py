@@ -37,7 +37,7 @@ def test_chunked_prefill_and_decode_match_dense_causal_attention() -> None:
     )
     for r, (p, n) in lens.items():
         s.add_request(r, [100 * r + t for t in range(1, p + 1)], n, ignore_eos=True)  # no shared prefix
-    kv = torch.zeros(layers, 33, 2, bs, hkv, d)
+    kv = torch.zeros(33, layers, 2, bs, hkv, d)  # block-major, as KvCache lays it out
     backend = TorchAttentionBackend(kv, bs, scale=d**-0.5)
     got = {r: [torch.full((p + n, hq, d), float("nan")) for _ in range(layers)] for r, (p, n) in lens.items()}
     chunked = False
@@ -61,3 +61,29 @@ def test_chunked_prefill_and_decode_match_dense_causal_attention() -> None:
             # the last sampled token is never computed; compare every computed position
             m = p + n - 1
             torch.testing.assert_close(got[r][layer][:m], dense(q[:m], k[:m], v[:m]), rtol=1e-5, atol=1e-5)
+
+
+def test_contiguous_runs_group_block_pairs() -> None:
+    from ferryman.worker.kv_cache import contiguous_runs
+
+    pairs = np.array([[7, 3], [5, 1], [6, 2], [9, 4], [10, 9], [11, 10]], dtype=np.int32)
+    assert contiguous_runs(pairs).tolist() == [[5, 1, 3], [9, 4, 1], [10, 9, 2]]
+    assert contiguous_runs(np.zeros((0, 2), dtype=np.int32)).shape == (0, 3)
+
+
+def test_run_grouped_swaps_move_exactly_the_planned_blocks() -> None:
+    from ferryman.worker.kv_cache import KvCache
+
+    kv = KvCache(3, 12, 10, 4, 2, 8, torch.float32, torch.device("cpu"))
+    kv.device_kv.copy_(torch.randn_like(kv.device_kv))
+    before = kv.device_kv.clone()
+    out = np.array([[2, 1], [3, 2], [4, 3], [9, 7], [6, 5]], dtype=np.int32)
+    kv.run_plans(out, np.zeros((0, 2), np.int32), np.zeros((0, 2), np.int32))
+    for d, h in out.tolist():
+        assert torch.equal(kv.host_kv[h], before[d])
+    back = np.array([[1, 10], [2, 11], [3, 12], [7, 1], [5, 8]], dtype=np.int32)
+    kv.run_plans(np.zeros((0, 2), np.int32), back, np.array([[9, 4]], dtype=np.int32))
+    for (_, d), src in zip(back.tolist(), [2, 3, 4, 9, 6], strict=True):
+        assert torch.equal(kv.device_kv[d], before[src])
+    assert torch.equal(kv.device_kv[4], before[9])  # the copy ran after the swap-in
+    assert torch.equal(kv.layer(1)[10], before[2, 1])  # a layer view sees the same memory

@@ -22,7 +22,8 @@ from ferryman._core import SchedulerOutput
 
 class TorchAttentionBackend:
     def __init__(self, kv_caches: torch.Tensor, block_size: int, scale: float) -> None:
-        """``kv_caches``: ``[layers, num_blocks, 2, block_size, Hkv, D]`` (FlashInfer's NHD)."""
+        """``kv_caches``: block-major ``[num_blocks, layers, 2, block_size, Hkv, D]`` (per layer,
+        FlashInfer's NHD with a block stride)."""
         self.kv = kv_caches
         self.bs = block_size
         self.scale = scale
@@ -60,7 +61,7 @@ class TorchAttentionBackend:
             ]
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cache = self.kv[layer_idx]
+        cache = self.kv[:, layer_idx]
         cache[self._blk, 0, self._off] = k.to(cache.dtype)
         cache[self._blk, 1, self._off] = v.to(cache.dtype)
         out = torch.empty_like(q)

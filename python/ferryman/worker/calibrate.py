@@ -22,7 +22,7 @@ def _sync(device: torch.device) -> None:
 
 def host_link_bytes_per_s(kv: KvCache, bytes_per_block: int, max_blocks: int = 16) -> float | None:
     """Bytes per second of one direction, or ``None`` without a host pool."""
-    n = min(max_blocks, kv.device_kv.shape[1] - 1, kv.host_kv.shape[1] - 1)
+    n = min(max_blocks, kv.num_device_blocks, kv.num_host_blocks)
     if n <= 0:
         return None
     pairs = np.stack([np.arange(1, n + 1)] * 2, axis=1).astype(np.int32)

@@ -1,14 +1,34 @@
-"""KV tensors and the plans that move blocks: device and host pools with one shape.
+"""KV tensors and the plans that move blocks: device and host pools with one block shape.
 
-Layout: ``[layers, num_blocks, 2, block_size, num_kv_heads, head_dim]`` (FlashInfer's NHD per
-layer; block 0 is the null block). Each plan is one batched index copy over all layers at once,
-run in the order swap-out, swap-in, copy (the scheduler's contract).
+Layout: block-major, ``[num_blocks, layers, 2, block_size, num_kv_heads, head_dim]``; block 0
+is the null block. One block is one contiguous chunk across all layers, so a swap moves each
+maximal run of consecutive blocks (consecutive on both sides) with one copy, whatever the number
+of layers; ``layer(i)`` is layer i's ``[num_blocks, 2, block_size, Hkv, D]`` view (FlashInfer's
+NHD with a block stride, which FlashInfer accepts). The plans run in the order swap-out, swap-in,
+copy (the scheduler's contract).
+
+On CUDA the host pool is pinned and allocated once; swaps run on a dedicated copy stream that
+first waits for the compute stream (so a block's last writes land before it is copied out), and
+the compute stream waits for the copies' event before the forward (so no freed block is
+rewritten, and no swapped-in block read, before its copy is done).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+
+def contiguous_runs(pairs: np.ndarray) -> np.ndarray:
+    """Groups (src, dst) block pairs into maximal runs where both sides advance by one:
+    ``[r, 3]`` int64 rows of (src start, dst start, length). Pairs are taken in src order."""
+    if len(pairs) == 0:
+        return np.zeros((0, 3), dtype=np.int64)
+    p = pairs[np.argsort(pairs[:, 0], kind="stable")].astype(np.int64)
+    breaks = np.flatnonzero((np.diff(p[:, 0]) != 1) | (np.diff(p[:, 1]) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [len(p)])))
+    return np.stack([p[starts, 0], p[starts, 1], lengths], axis=1)
 
 
 class KvCache:
@@ -23,37 +43,51 @@ class KvCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (num_layers, 2, block_size, num_kv_heads, head_dim)
-        self.device_kv = torch.zeros(
-            (shape[0], num_device_blocks + 1, *shape[1:]), dtype=dtype, device=device
-        )
-        pin = device.type == "cuda"
+        block = (num_layers, 2, block_size, num_kv_heads, head_dim)
+        self.num_layers = num_layers
+        self.device_kv = torch.zeros((num_device_blocks + 1, *block), dtype=dtype, device=device)
+        self._cuda = device.type == "cuda"
         # host blocks are always written (swap-out) before they are read, so their memory is
         # left untouched until used; device blocks are zeroed because the null block pads reads
-        self.host_kv = torch.empty((shape[0], num_host_blocks + 1, *shape[1:]), dtype=dtype, pin_memory=pin)
+        self.host_kv = torch.empty((num_host_blocks + 1, *block), dtype=dtype, pin_memory=self._cuda)
+        self._copy_stream = torch.cuda.Stream(device) if self._cuda else None  # type: ignore[no-untyped-call]
+
+    @property
+    def num_device_blocks(self) -> int:
+        return int(self.device_kv.shape[0]) - 1
+
+    @property
+    def num_host_blocks(self) -> int:
+        return int(self.host_kv.shape[0]) - 1
+
+    def layer(self, i: int) -> torch.Tensor:
+        """Layer i's ``[num_blocks, 2, block_size, Hkv, D]`` view of the device pool."""
+        return self.device_kv[:, i]
 
     @staticmethod
     def bytes_per_block(
         num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
-        return (
-            num_layers
-            * 2
-            * block_size
-            * num_kv_heads
-            * head_dim
-            * torch.empty((), dtype=dtype).element_size()
-        )
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return num_layers * 2 * block_size * num_kv_heads * head_dim * itemsize
 
     def run_plans(self, swap_out: np.ndarray, swap_in: np.ndarray, copy: np.ndarray) -> None:
-        if len(swap_out):
-            src = torch.from_numpy(swap_out[:, 0]).to(self.device_kv.device, torch.long)
-            dst = torch.from_numpy(swap_out[:, 1]).long()
-            self.host_kv[:, dst] = self.device_kv[:, src].to("cpu")
-        if len(swap_in):
-            src = torch.from_numpy(swap_in[:, 0]).long()
-            dst = torch.from_numpy(swap_in[:, 1]).to(self.device_kv.device, torch.long)
-            self.device_kv[:, dst] = self.host_kv[:, src].to(self.device_kv.device)
+        if len(swap_out) or len(swap_in):
+            if self._copy_stream is None:
+                self._swap(swap_out, swap_in)
+            else:
+                compute = torch.cuda.current_stream(self.device_kv.device)
+                self._copy_stream.wait_stream(compute)
+                with torch.cuda.stream(self._copy_stream):
+                    self._swap(swap_out, swap_in)
+                compute.wait_stream(self._copy_stream)
         if len(copy):
             idx = torch.from_numpy(copy).to(self.device_kv.device, torch.long)
-            self.device_kv[:, idx[:, 1]] = self.device_kv[:, idx[:, 0]]
+            self.device_kv[idx[:, 1]] = self.device_kv[idx[:, 0]]
+
+    def _swap(self, swap_out: np.ndarray, swap_in: np.ndarray) -> None:
+        nb = self._cuda  # non_blocking only where the host side is pinned
+        for s, d, n in contiguous_runs(swap_out).tolist():
+            self.host_kv[d : d + n].copy_(self.device_kv[s : s + n], non_blocking=nb)
+        for s, d, n in contiguous_runs(swap_in).tolist():
+            self.device_kv[d : d + n].copy_(self.host_kv[s : s + n], non_blocking=nb)

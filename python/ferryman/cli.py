@@ -26,6 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-host-blocks", type=int, default=None, help="default: from --swap-space")
     g.add_argument("--swap-space", type=float, default=4, help="host KV for swap, GiB")
     g.add_argument("--kv-cache-memory", type=int, default=512 << 20, help="device KV bytes (CPU)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of the GPU (CUDA)")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flashinfer"])
     g.add_argument("--preemption-mode", default="auto", choices=["recompute", "swap", "auto"])
     g.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"], help="victim order")
     g.add_argument("--no-prefix-caching", action="store_true")
@@ -46,6 +48,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
         "num_host_blocks": a.num_host_blocks,
         "swap_space": a.swap_space,
         "kv_cache_memory": a.kv_cache_memory,
+        "gpu_memory_utilization": a.gpu_memory_utilization,
+        "attention_backend": a.attention_backend,
         "preemption_mode": a.preemption_mode,
         "policy": a.policy,
         "enable_prefix_caching": not a.no_prefix_caching,

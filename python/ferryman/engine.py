@@ -19,7 +19,7 @@ from ferryman.detokenizer import IncrementalDetokenizer
 from ferryman.model_loader import DEFAULT_MODEL, load_model
 from ferryman.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ferryman.sampling_params import SamplingParams
-from ferryman.worker.calibrate import host_link_bytes_per_s, prefill_tokens_per_s
+from ferryman.worker.calibrate import host_link_bytes_per_s, prefill_tokens_per_s, profile_kv_blocks
 from ferryman.worker.kv_cache import KvCache
 from ferryman.worker.model_runner import ModelRunner
 from ferryman.worker.sampler import sample
@@ -71,6 +71,8 @@ class Engine:
         num_host_blocks: int | None = None,
         swap_space: float = 4,
         kv_cache_memory: int = 512 << 20,
+        gpu_memory_utilization: float = 0.9,
+        attention_backend: str = "auto",
         preemption_mode: str = "auto",
         policy: str = "fcfs",
         enable_prefix_caching: bool = True,
@@ -84,17 +86,21 @@ class Engine:
         mc = self.model.cfg
         bpb = KvCache.bytes_per_block(mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
         self.max_model_len = max_model_len or mc.max_position_embeddings
-        if num_device_blocks is None:
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, self.max_model_len)
+        if num_device_blocks is None and self.device.type == "cuda":
+            num_device_blocks = profile_kv_blocks(
+                self.model, block_size, max_num_batched_tokens, bpb, gpu_memory_utilization, attention_backend
+            )
+        elif num_device_blocks is None:
             num_device_blocks = max(1, kv_cache_memory // bpb)
         if num_host_blocks is None:
             num_host_blocks = int(swap_space * (1 << 30)) // bpb
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, self.max_model_len)
         self.kv = KvCache(
             mc.num_layers, num_device_blocks, num_host_blocks, block_size, mc.num_kv_heads, mc.head_dim,
             self.dtype, self.device,
         )  # fmt: skip
-        self.runner = ModelRunner(self.model, self.kv, block_size, self.device)
+        self.runner = ModelRunner(self.model, self.kv, block_size, self.device, attention_backend)
         self.calibration: dict[str, float] = {}
         started = time.perf_counter()
         if calibrate:

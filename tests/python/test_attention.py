@@ -3,7 +3,10 @@ decode steps of two interleaved requests, against one dense causal attention per
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -87,3 +90,46 @@ def test_run_grouped_swaps_move_exactly_the_planned_blocks() -> None:
         assert torch.equal(kv.device_kv[d], before[src])
     assert torch.equal(kv.device_kv[4], before[9])  # the copy ran after the swap-in
     assert torch.equal(kv.layer(1)[10], before[2, 1])  # a layer view sees the same memory
+
+
+def test_flashinfer_plan_metadata_from_the_core_arrays() -> None:
+    """The host-side part of the GPU backend: int32 CSR arrays FlashInfer takes, untouched, and
+    the decode/prefill wrapper choice (FlashInfer itself needs a GPU; tests/gpu runs it)."""
+    from ferryman.attention.flashinfer_backend import plan_metadata
+
+    s = Scheduler(
+        SchedulerConfig(block_size=4, num_device_blocks=32, max_num_batched_tokens=16, max_model_len=64)
+    )
+    s.add_request(1, list(range(1, 11)), 3, ignore_eos=True)
+    s.add_request(2, list(range(20, 26)), 3, ignore_eos=True)
+    out = s.schedule()
+    m = plan_metadata(out)
+    assert not m.decode_only
+    assert all(t.dtype == torch.int32 for t in (m.qo_indptr, m.kv_indptr, m.kv_indices, m.kv_last_page_len))
+    assert m.qo_indptr.tolist() == [0, 10, 16] and m.kv_indptr.tolist() == [0, 3, 5]
+    assert m.kv_last_page_len.tolist() == [2, 2]
+    # kv length per row = page_size * (pages - 1) + last_page_len = seq_lens
+    pages = np.diff(m.kv_indptr.numpy())
+    assert (4 * (pages - 1) + m.kv_last_page_len.numpy()).tolist() == out.seq_lens.tolist()
+    s.update(np.ones(len(out.logits_indices), dtype=np.int32))
+    out = s.schedule()
+    m = plan_metadata(out)
+    assert m.decode_only and m.qo_indptr.tolist() == [0, 1, 2]
+    s.update(np.ones(len(out.logits_indices), dtype=np.int32))
+
+
+def test_cpu_runner_picks_torch_and_flashinfer_needs_a_gpu(tmp_path: Path) -> None:
+    import sys
+
+    from tiny_models import build
+
+    from ferryman.engine import Engine
+
+    path = str(build("llama", tmp_path))
+    eng = Engine(path, block_size=4, num_device_blocks=8, num_host_blocks=0, calibrate=False)
+    assert eng.runner.attention_backend == "torch"
+    assert "flashinfer" not in sys.modules  # the CPU path never imports it
+    with pytest.raises(ValueError, match=r"ferryman\[gpu\]"):
+        Engine(path, block_size=4, num_device_blocks=8, calibrate=False, attention_backend="flashinfer")
+    with pytest.raises(ValueError, match="attention_backend"):
+        Engine(path, block_size=4, num_device_blocks=8, calibrate=False, attention_backend="triton")

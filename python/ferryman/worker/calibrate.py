@@ -6,6 +6,7 @@ cores; ``Engine.calibration_s`` records it."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,3 +64,41 @@ def prefill_tokens_per_s(
         rate = n / max(time.perf_counter() - t, 1e-9)
         s.update(np.zeros(len(out.logits_indices), dtype=np.int32))
     return rate
+
+
+def profile_kv_blocks(
+    model: Any,
+    block_size: int,
+    max_num_batched_tokens: int,
+    bytes_per_block: int,
+    gpu_memory_utilization: float,
+    attention_backend: str = "auto",
+) -> int:
+    """Device KV blocks for a CUDA deployment (vLLM's sizing): run one prefill forward at the
+    full token budget on a throw-away pool, then give KV what is left of
+    ``total * gpu_memory_utilization`` after the weights, that forward's peak activations and
+    memory other processes hold. Not run on a GPU yet (``scripts/gpu_check.sh`` covers it)."""
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    cfg = model.cfg
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    blocks = -(-max_num_batched_tokens // block_size) + 1
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    tmp = KvCache(cfg.num_layers, blocks, 0, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+    runner = ModelRunner(model, tmp, block_size, device, attention_backend)
+    prefill_tokens_per_s(runner, block_size, blocks, num_tokens=max_num_batched_tokens)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - tmp.device_kv.numel() * tmp.device_kv.element_size()
+    free, total = torch.cuda.mem_get_info(device)
+    others = (total - free) - torch.cuda.memory_reserved(device)
+    del runner, tmp
+    torch.cuda.empty_cache()
+    kv_bytes = total * gpu_memory_utilization - peak - others
+    if kv_bytes < bytes_per_block:
+        raise ValueError(
+            f"no memory left for KV blocks at gpu_memory_utilization={gpu_memory_utilization}: weights and "
+            f"activations take {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB"
+        )
+    return int(kv_bytes // bytes_per_block)

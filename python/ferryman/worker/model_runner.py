@@ -5,6 +5,8 @@ logits of ``logits_indices`` (a row repeats for n > 1)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ferryman._core import SchedulerOutput
@@ -12,13 +14,47 @@ from ferryman.attention import TorchAttentionBackend
 from ferryman.models.llama import LlamaForCausalLM
 from ferryman.worker.kv_cache import KvCache
 
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv: KvCache, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv: KvCache,
+        block_size: int,
+        device: torch.device,
+        attention_backend: str = "auto",
+    ) -> None:
+        """``attention_backend``: "torch" (the reference; the CPU path), "flashinfer" (CUDA and
+        ``ferryman[gpu]``), or "auto" (FlashInfer when both are there, else torch)."""
         self.model = model
         self.kv = kv
         self.device = device
-        self.attn = TorchAttentionBackend(kv.device_kv, block_size, scale=model.cfg.head_dim**-0.5)
+        cfg = model.cfg
+        scale = cfg.head_dim**-0.5
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}"
+            )
+        use_fi = False
+        if attention_backend == "flashinfer" or (attention_backend == "auto" and device.type == "cuda"):
+            from ferryman.attention.flashinfer_backend import flashinfer_available
+
+            use_fi = device.type == "cuda" and flashinfer_available()
+            if attention_backend == "flashinfer" and not use_fi:
+                need = "a CUDA device and FlashInfer (pip install ferryman[gpu])"
+                raise ValueError(f"attention_backend='flashinfer' needs {need}")
+        self.attn: Any
+        if use_fi:
+            from ferryman.attention.flashinfer_backend import FlashInferBackend
+
+            self.attn = FlashInferBackend(
+                kv, block_size, scale, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+            )
+        else:
+            self.attn = TorchAttentionBackend(kv.device_kv, block_size, scale=scale)
+        self.attention_backend = "flashinfer" if use_fi else "torch"
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:

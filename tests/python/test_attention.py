@@ -133,3 +133,25 @@ def test_cpu_runner_picks_torch_and_flashinfer_needs_a_gpu(tmp_path: Path) -> No
         Engine(path, block_size=4, num_device_blocks=8, calibrate=False, attention_backend="flashinfer")
     with pytest.raises(ValueError, match="attention_backend"):
         Engine(path, block_size=4, num_device_blocks=8, calibrate=False, attention_backend="triton")
+
+
+def test_gpu_benchmark_script_dry_runs_on_cpu() -> None:
+    """benchmarks/gpu_bench.py is what scripts/gpu_check.sh runs on a GPU; its --smoke mode runs
+    every code path on CPU with a tiny model, so the script cannot rot while no GPU is around."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    args = ["--smoke", "--batches", "1,3", "--context", "24", "--steps", "2"]
+    p = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "gpu_bench.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    report = json.loads(p.stdout)
+    assert [d["batch"] for d in report["decode"]] == [1, 3]
+    assert all(d["decode_tokens_per_s"] > 0 and d["prefill_tokens_per_s"] > 0 for d in report["decode"])
+    assert [s["block_size"] for s in report["swap"]] == [16, 64]

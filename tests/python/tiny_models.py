@@ -13,9 +13,10 @@ CHAT_TEMPLATE = (
 )
 
 
-def build(kind: str, root: Path, seed: int = 0, tokenizer: bool = False) -> Path:
+def build(kind: str, root: Path, seed: int = 0, tokenizer: bool = False, **overrides: int) -> Path:
     """With ``tokenizer``, the model gets a byte-level BPE tokenizer (256 byte tokens, no merges,
-    three specials, a ChatML template) and a vocabulary of 259 to match."""
+    three specials, a ChatML template) and a vocabulary of 259 to match. ``overrides`` replace
+    config fields (e.g. ``hidden_size=256`` for a head size FlashInfer compiles)."""
     import transformers as tf
 
     common = dict(
@@ -31,6 +32,7 @@ def build(kind: str, root: Path, seed: int = 0, tokenizer: bool = False) -> Path
         bos_token_id=None,
         pad_token_id=None,
     )
+    common.update(overrides)
     if kind == "llama":
         cfg = tf.LlamaConfig(**common, tie_word_embeddings=False)
         model_cls = tf.LlamaForCausalLM

@@ -1,0 +1,204 @@
+"""GPU benchmarks of the issue's targets, printed as one JSON object (``scripts/gpu_check.sh``
+runs this on a GPU machine; it needs CUDA, and FlashInfer for the attention backend).
+
+- decode and prefill throughput of a randomly initialised Llama-3-8B-shaped model in bf16 at
+  batch 1, 32 and 256 (context 512), through the real scheduler, runner and sampler, next to the
+  HBM roofline of that decode step (every weight once + the batch's KV, over peak bandwidth);
+- the scheduler's share of a decode step: ``schedule()`` + ``update()`` through the binding, over
+  the step's wall time (the runner's own Python, plans and input tensors, overlaps the GPU's work
+  and is inside the synchronised forward time);
+- swap bandwidth (device -> host -> device, GB/s) for block sizes 16 and 64, blocks scattered,
+  against one plain pinned ``copy_`` of a buffer of the same size;
+- CUDA graphs vs eager decode: not implemented yet (reported as such).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from ferryman._core import Scheduler, SchedulerConfig
+from ferryman.models.llama import LlamaForCausalLM, ModelConfig, rope_inv_freq
+from ferryman.worker.kv_cache import KvCache
+from ferryman.worker.model_runner import ModelRunner
+
+HBM_BYTES_PER_S = 4.8e12  # H200 datasheet; the report names it
+
+
+def random_llama(device: torch.device, smoke: bool = False) -> LlamaForCausalLM:
+    """Llama-3-8B's shape with random bf16 weights (``smoke``: a tiny shape, for a CPU dry run)."""
+    h, heads, kvh, layers, inter, vocab = (
+        (256, 4, 2, 2, 512, 1000) if smoke else (4096, 32, 8, 32, 14336, 128256)
+    )
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=vocab,
+        hidden_size=h,
+        intermediate_size=inter,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kvh,
+        head_dim=h // heads,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=None,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        qk_norm=False,
+        eos_token_ids=[],
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device=device).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    model.inv_freq = rope_inv_freq(cfg).to(device)
+    return model.eval()
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def decode_and_prefill(model: LlamaForCausalLM, batch: int, ctx: int, steps: int) -> dict[str, Any]:
+    cfg, dev, bs = model.cfg, next(model.parameters()).device, 16
+    blocks = batch * (-(-(ctx + steps + 8) // bs)) + 8
+    kv = KvCache(cfg.num_layers, blocks, 0, bs, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, dev)
+    runner = ModelRunner(model, kv, bs, dev)
+    s = Scheduler(
+        SchedulerConfig(
+            block_size=bs,
+            num_device_blocks=blocks,
+            max_num_batched_tokens=8192,
+            max_num_seqs=max(batch, 1),
+            max_model_len=ctx + steps + 8,
+            enable_prefix_caching=False,
+        )
+    )
+    rng = np.random.default_rng(batch)
+    for r in range(batch):
+        s.add_request(r, rng.integers(0, cfg.vocab_size, ctx).astype(np.int32), steps + 4, ignore_eos=True)
+    prefill_tokens, prefill_s = 0, 0.0
+    while True:  # prefill everything (the budget splits it into chunks)
+        out = s.schedule()
+        if out.num_prefill_tokens == 0:
+            break
+        sync()
+        t = time.perf_counter()
+        logits = runner.execute(out)
+        toks = logits.argmax(-1).to(torch.int32).cpu().numpy()
+        sync()
+        prefill_s += time.perf_counter() - t
+        prefill_tokens += out.num_prefill_tokens
+        s.update(toks)
+    s.update(runner.execute(out).argmax(-1).to(torch.int32).cpu().numpy())  # the first decode step
+    step_s, fwd_s = [], []
+    for _ in range(steps):
+        sync()
+        t0 = time.perf_counter()
+        out = s.schedule()
+        t1 = time.perf_counter()
+        logits = runner.execute(out)
+        toks = logits.argmax(-1).to(torch.int32).cpu().numpy()  # the sync point
+        t2 = time.perf_counter()
+        s.update(toks)
+        t3 = time.perf_counter()
+        step_s.append(t3 - t0)
+        fwd_s.append(t2 - t1)
+    step, fwd = float(np.median(step_s)), float(np.median(fwd_s))
+    kv_bytes = batch * (ctx + steps / 2) * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    weights = (
+        sum(p.numel() for p in model.parameters()) * 2 - cfg.vocab_size * cfg.hidden_size * 2
+    )  # no embed read
+    roofline_s = (weights + kv_bytes) / HBM_BYTES_PER_S
+    return {
+        "batch": batch,
+        "context": ctx,
+        "attention_backend": runner.attention_backend,
+        "decode_tokens_per_s": round(batch / step, 1),
+        "decode_step_ms": round(step * 1e3, 3),
+        "decode_forward_ms": round(fwd * 1e3, 3),
+        "host_overhead_share": round((step - fwd) / step, 4),
+        "hbm_roofline_step_ms": round(roofline_s * 1e3, 3),
+        "decode_vs_roofline": round(roofline_s / step, 3),
+        "prefill_tokens_per_s": round(prefill_tokens / prefill_s, 1) if prefill_s else None,
+    }
+
+
+def swap_bandwidth(
+    block_size: int, dev: torch.device, num_blocks: int = 1024, layers: int = 32
+) -> dict[str, Any]:
+    """Llama-3-8B's KV block (32 layers, 8 KV heads of 128) unless ``layers`` says otherwise."""
+    kv = KvCache(layers, num_blocks * 2, num_blocks, block_size, 8, 128, torch.bfloat16, dev)
+    nbytes = num_blocks * KvCache.bytes_per_block(layers, block_size, 8, 128, torch.bfloat16)
+    rng = np.random.default_rng(block_size)
+    src = rng.permutation(np.arange(1, num_blocks * 2 + 1))[:num_blocks].astype(np.int32)  # scattered
+    host = np.arange(1, num_blocks + 1, dtype=np.int32)
+    out_plan, in_plan, none = np.stack([src, host], 1), np.stack([host, src], 1), np.zeros((0, 2), np.int32)
+    kv.run_plans(out_plan, none, none)  # warm-up
+    sync()
+    t = time.perf_counter()
+    kv.run_plans(out_plan, none, none)
+    sync()
+    t_out = time.perf_counter() - t
+    t = time.perf_counter()
+    kv.run_plans(none, in_plan, none)
+    sync()
+    t_in = time.perf_counter() - t
+    a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    b = torch.empty(nbytes, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+    b.copy_(a)
+    sync()
+    t = time.perf_counter()
+    b.copy_(a, non_blocking=True)
+    sync()
+    base_out = time.perf_counter() - t
+    t = time.perf_counter()
+    a.copy_(b, non_blocking=True)
+    sync()
+    base_in = time.perf_counter() - t
+    gb = nbytes / 1e9
+    swap = 2 * gb / (t_out + t_in)
+    plain = 2 * gb / (base_out + base_in)
+    return {
+        "block_size": block_size,
+        "bytes": nbytes,
+        "swap_out_GBps": round(gb / t_out, 2),
+        "swap_in_GBps": round(gb / t_in, 2),
+        "plain_copy_out_GBps": round(gb / base_out, 2),
+        "plain_copy_in_GBps": round(gb / base_in, 2),
+        "swap_vs_plain": round(swap / plain, 3),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="1,32,256")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--smoke", action="store_true", help="a tiny dry run on CPU (what CI checks)")
+    a = p.parse_args()
+    dev = torch.device("cpu" if a.smoke else "cuda")
+    name = "cpu (smoke)" if a.smoke else torch.cuda.get_device_name()
+    report: dict[str, Any] = {"gpu": name, "torch": torch.__version__}
+    n, layers = (8, 2) if a.smoke else (1024, 32)
+    report["swap"] = [swap_bandwidth(16, dev, n, layers), swap_bandwidth(64, dev, n, layers)]
+    model = random_llama(dev, a.smoke)
+    report["decode"] = [decode_and_prefill(model, int(b), a.context, a.steps) for b in a.batches.split(",")]
+    report["cuda_graphs"] = "not implemented: decode runs eager"
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

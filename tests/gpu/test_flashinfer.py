@@ -1,0 +1,78 @@
+"""The GPU path against the torch reference (CUDA + FlashInfer only; skipped elsewhere, so CI
+never runs it). ``scripts/gpu_check.sh`` runs these on a GPU machine."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ferryman import Scheduler, SchedulerConfig
+from ferryman.attention import TorchAttentionBackend
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("flashinfer")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+
+
+def test_flashinfer_backend_matches_the_torch_reference() -> None:
+    from ferryman.attention.flashinfer_backend import FlashInferBackend
+    from ferryman.worker.kv_cache import KvCache
+
+    torch.manual_seed(0)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    hq, hkv, d, bs, layers = 8, 2, 128, 16, 2
+    lens = {0: (300, 5), 1: (70, 9), 2: (17, 12)}
+    s = Scheduler(
+        SchedulerConfig(block_size=bs, num_device_blocks=64, max_num_batched_tokens=128, max_model_len=512)
+    )
+    for r, (p, n) in lens.items():
+        s.add_request(r, [1000 * r + t for t in range(1, p + 1)], n, ignore_eos=True)
+    kv_fi = KvCache(layers, 64, 0, bs, hkv, d, dt, dev)
+    kv_ref = KvCache(layers, 64, 0, bs, hkv, d, dt, dev)
+    fi = FlashInferBackend(kv_fi, bs, d**-0.5, hq, hkv, d)
+    ref = TorchAttentionBackend(kv_ref.device_kv, bs, d**-0.5)
+    steps = 0
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        fi.plan(out)
+        ref.plan(out)
+        t = out.num_scheduled_tokens
+        for layer in range(layers):
+            q = torch.randn(t, hq, d, device=dev, dtype=dt)
+            k = torch.randn(t, hkv, d, device=dev, dtype=dt)
+            v = torch.randn(t, hkv, d, device=dev, dtype=dt)
+            a, b = fi.forward(layer, q, k, v), ref.forward(layer, q, k, v)
+            torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+        s.update(np.ones(len(out.logits_indices), dtype=np.int32))
+        steps += 1
+    assert steps > 5
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
+def test_forced_preemption_gives_identical_greedy_output_on_gpu(tmp_path: Path, mode: str) -> None:
+    from tiny_models import build
+
+    from ferryman.engine import Engine
+    from ferryman.sampling_params import SamplingParams
+
+    path = str(build("llama", tmp_path, hidden_size=256, intermediate_size=512))  # head_dim 64
+    prompts = [[*range(20, 44), i, i + 1] for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    kw = {"device": "cuda", "dtype": "bfloat16", "attention_backend": "flashinfer", "calibrate": False}
+    free = Engine(path, block_size=16, num_device_blocks=64, num_host_blocks=0, **kw).generate(
+        prompts, params
+    )
+    tight = Engine(path, block_size=16, num_device_blocks=6, num_host_blocks=32, preemption_mode=mode, **kw)
+    got = tight.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in free]
+    st = tight.stats()
+    assert st["num_preemptions"] > 0
+    assert st["num_free_device_blocks"] == 6

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from ferryman import Scheduler, SchedulerConfig
 from ferryman.attention import TorchAttentionBackend
+from ferryman.attention.torch_backend import DECODE_GROUP
 
 
 def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -24,10 +25,14 @@ def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return o.transpose(0, 1)
 
 
-def test_chunked_prefill_and_decode_match_dense_causal_attention() -> None:
+MANY = {r: (3 + 3 * r, 24) for r in range(13)}  # 13 decode rows at once: two length-sorted groups
+
+
+@pytest.mark.parametrize("lens", [{0: (23, 4), 1: (9, 5)}, MANY], ids=["two", "thirteen"])
+def test_chunked_prefill_and_decode_match_dense_causal_attention(lens: dict[int, tuple[int, int]]) -> None:
+    """``lens``: request -> (prompt tokens, new tokens)."""
     torch.manual_seed(0)
     hq, hkv, d, bs, layers = 4, 2, 8, 4, 2
-    lens = {0: (23, 4), 1: (9, 5)}  # request: (prompt, new tokens)
     seqs = {
         r: [
             (torch.randn(p + n, hq, d), torch.randn(p + n, hkv, d), torch.randn(p + n, hkv, d))
@@ -36,17 +41,18 @@ def test_chunked_prefill_and_decode_match_dense_causal_attention() -> None:
         for r, (p, n) in lens.items()
     }
     s = Scheduler(
-        SchedulerConfig(block_size=bs, num_device_blocks=32, max_num_batched_tokens=8, max_model_len=64)
+        SchedulerConfig(block_size=bs, num_device_blocks=160, max_num_batched_tokens=16, max_model_len=80)
     )
     for r, (p, n) in lens.items():
         s.add_request(r, [100 * r + t for t in range(1, p + 1)], n, ignore_eos=True)  # no shared prefix
-    kv = torch.zeros(33, layers, 2, bs, hkv, d)  # block-major, as KvCache lays it out
+    kv = torch.zeros(161, layers, 2, bs, hkv, d)  # block-major, as KvCache lays it out
     backend = TorchAttentionBackend(kv, bs, scale=d**-0.5)
     got = {r: [torch.full((p + n, hq, d), float("nan")) for _ in range(layers)] for r, (p, n) in lens.items()}
-    chunked = False
+    chunked, most_decodes = False, 0
     while s.has_unfinished_requests():
         out = s.schedule()
         backend.plan(out)
+        most_decodes = max(most_decodes, int(np.sum(np.diff(out.qo_indptr) == 1)))
         rows = np.repeat(out.req_ids, np.diff(out.qo_indptr))
         chunked |= bool(np.any(out.seq_lens > np.diff(out.qo_indptr)) and out.num_prefill_tokens > 0)
         for layer in range(layers):
@@ -57,7 +63,9 @@ def test_chunked_prefill_and_decode_match_dense_causal_attention() -> None:
             for i, (r, p) in enumerate(zip(rows, out.positions, strict=True)):
                 got[int(r)][layer][p] = o[i]
         s.update(np.ones(len(out.logits_indices), dtype=np.int32))
-    assert chunked, "the 8-token budget must split a prompt across steps over cached context"
+    assert chunked, "the 16-token budget must split a prompt across steps over cached context"
+    if len(lens) > DECODE_GROUP:
+        assert most_decodes > DECODE_GROUP, "some step must batch decodes in more than one group"
     for r, (p, n) in lens.items():
         for layer in range(layers):
             q, k, v = seqs[r][layer]

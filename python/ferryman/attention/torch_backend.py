@@ -8,16 +8,29 @@ aligned causal mask (query j of a request with q_len queries and kv_len keys see
 ``t <= kv_len - q_len + j``), which is right for chunked prefill over cached context. GQA maps
 query head h to KV head h // (Hq / Hkv).
 
-Decode rows (one query each) run as one batched call: their block tables are padded with the
-null block to the longest, and a key mask hides the padding. Prefill rows run one by one.
+Decode rows (one query each) run batched in groups of up to ``DECODE_GROUP`` rows of similar
+length (sorted by block count, so little is padded): each group's block tables are padded with
+the null block to its longest, K and V are gathered separately (one contiguous copy each, no
+reshape copies), and a key mask hides the padding. Prefill rows run one by one.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ferryman._core import SchedulerOutput
+
+DECODE_GROUP = 8
+
+
+@dataclass(slots=True)
+class _DecodeGroup:
+    tokens: torch.Tensor  # [b] rows of q / out
+    table: torch.Tensor  # [b, nb] block ids, null-padded
+    mask: torch.Tensor  # [b, 1, 1, nb * block_size] keys to attend
 
 
 class TorchAttentionBackend:
@@ -30,9 +43,7 @@ class TorchAttentionBackend:
         self._rows: list[tuple[int, int, torch.Tensor, int]] = []
         self._blk = torch.empty(0, dtype=torch.long)
         self._off = torch.empty(0, dtype=torch.long)
-        self._decode_tokens = torch.empty(0, dtype=torch.long)
-        self._decode_table = torch.empty((0, 0), dtype=torch.long)
-        self._decode_mask = torch.empty((0, 1, 1, 0), dtype=torch.bool)
+        self._groups: list[_DecodeGroup] = []
 
     def plan(self, out: SchedulerOutput) -> None:
         device = self.kv.device
@@ -48,17 +59,18 @@ class TorchAttentionBackend:
             for i in range(len(lens))
             if qo[i + 1] - qo[i] > 1
         ]
-        self._decode_tokens = torch.tensor([qo[i] for i in decode], dtype=torch.long, device=device)
-        if decode:
-            nb = max(kvp[i + 1] - kvp[i] for i in decode)
-            table = torch.zeros((len(decode), nb), dtype=torch.long, device=device)  # pad: null block
-            for row, i in enumerate(decode):
-                table[row, : kvp[i + 1] - kvp[i]] = kvi[kvp[i] : kvp[i + 1]]
-            kv_lens = torch.tensor([lens[i] for i in decode], device=device)
-            self._decode_table = table
-            self._decode_mask = (torch.arange(nb * self.bs, device=device)[None, :] < kv_lens[:, None])[
-                :, None, None, :
-            ]
+        decode.sort(key=lambda i: kvp[i + 1] - kvp[i])
+        self._groups = []
+        for g in range(0, len(decode), DECODE_GROUP):
+            rows = decode[g : g + DECODE_GROUP]
+            nb = kvp[rows[-1] + 1] - kvp[rows[-1]]  # sorted: the last row is the longest
+            table = torch.zeros((len(rows), nb), dtype=torch.long, device=device)  # pad: null block
+            for r, i in enumerate(rows):
+                table[r, : kvp[i + 1] - kvp[i]] = kvi[kvp[i] : kvp[i + 1]]
+            kv_lens = torch.tensor([lens[i] for i in rows], device=device)
+            mask = (torch.arange(nb * self.bs, device=device)[None, :] < kv_lens[:, None])[:, None, None, :]
+            tokens = torch.tensor([qo[i] for i in rows], dtype=torch.long, device=device)
+            self._groups.append(_DecodeGroup(tokens, table, mask))
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.kv[:, layer_idx]
@@ -66,16 +78,16 @@ class TorchAttentionBackend:
         cache[self._blk, 1, self._off] = v.to(cache.dtype)
         out = torch.empty_like(q)
         nq, nkv, d = q.shape[1], k.shape[1], q.shape[2]
-        if len(self._decode_tokens):
-            kv = cache[self._decode_table].float()  # [B, nb, 2, bs, Hkv, D]
-            b = kv.shape[0]
-            keys = kv[:, :, 0].reshape(b, -1, nkv, d).transpose(1, 2)  # [B, Hkv, L, D]
-            vals = kv[:, :, 1].reshape(b, -1, nkv, d).transpose(1, 2)
-            qd = q[self._decode_tokens].float()[:, :, None, :]  # [B, Hq, 1, D]
+        keys_all, vals_all = cache[:, 0], cache[:, 1]  # [num_blocks, bs, Hkv, D] views
+        for grp in self._groups:
+            b = grp.table.shape[0]
+            keys = keys_all[grp.table].float().view(b, -1, nkv, d).transpose(1, 2)  # [b, Hkv, L, D]
+            vals = vals_all[grp.table].float().view(b, -1, nkv, d).transpose(1, 2)
+            qd = q[grp.tokens].float()[:, :, None, :]  # [b, Hq, 1, D]
             o = F.scaled_dot_product_attention(
-                qd, keys, vals, attn_mask=self._decode_mask, scale=self.scale, enable_gqa=nq != nkv
+                qd, keys, vals, attn_mask=grp.mask, scale=self.scale, enable_gqa=nq != nkv
             )
-            out[self._decode_tokens] = o[:, :, 0, :].to(q.dtype)
+            out[grp.tokens] = o[:, :, 0, :].to(q.dtype)
         for start, end, blocks, kv_len in self._rows:
             q_len = end - start
             kv = cache[blocks].float()  # [nb, 2, bs, Hkv, D]

@@ -82,11 +82,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype, device: torch.device) -> tup
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     cfg = config_from_gguf(meta, vocab)
     permuted = meta["general.architecture"] == "llama"
-    tensors: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
-        w = w.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
-        tensors[_hf_name(t.name)] = w
+    tensors = read_tensors(reader)
     if "lm_head.weight" not in tensors:
         cfg.tie_word_embeddings = True
     if permuted:
@@ -95,6 +91,18 @@ def load_gguf(path: str | Path, dtype: torch.dtype, device: torch.device) -> tup
             tensors[q] = unpermute_rows(tensors[q], cfg.num_heads)
             tensors[k] = unpermute_rows(tensors[k], cfg.num_kv_heads)
     return LlamaForCausalLM.from_tensors(cfg, tensors, dtype, device), _tokenizer(path)
+
+
+def read_tensors(reader: Any) -> dict[str, torch.Tensor]:
+    """Every tensor of a ``GGUFReader``, dequantized to float32 in its logical (row-major) shape,
+    under its Hugging Face name."""
+    import gguf
+
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        tensors[_hf_name(t.name)] = w.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+    return tensors
 
 
 def _hf_name(name: str) -> str:

@@ -5,6 +5,7 @@ greedy tokens as transformers' own GGUF loader on the same file."""
 from __future__ import annotations
 
 import importlib.metadata as md
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,3 +69,41 @@ def test_a_missing_model_names_the_path() -> None:
 
     with pytest.raises(ModelLoadError, match="/no/such/model"):
         load_model("/no/such/model", torch.float32, torch.device("cpu"))
+
+
+def test_every_quantization_type_reads_back_in_its_logical_shape(tmp_path: Path) -> None:
+    """F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 quantized by gguf-py from known weights, and the
+    K-quants (Q4_K, Q6_K; gguf-py cannot quantize them) as raw blocks: each reads back as gguf's
+    own dequantization, in the row-major shape, under its Hugging Face name."""
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+
+    from ferryman.gguf_loader import read_tensors
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((6, 512)).astype(np.float32)  # 6 rows x 512 columns
+    kinds = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]
+    writer = gguf.GGUFWriter(str(tmp_path / "q.gguf"), "llama")
+    raw: dict[str, tuple[np.ndarray, T]] = {}
+    for i, kind in enumerate(kinds):
+        q = gguf.quants.quantize(w, kind)
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", q, raw_dtype=kind)
+        raw[f"model.layers.{i}.up_proj.weight"] = (q, kind)
+    for i, kind in enumerate([T.Q4_K, T.Q6_K], start=len(kinds)):
+        block, type_size = gguf.GGML_QUANT_SIZES[kind]
+        q = rng.integers(0, 256, size=(6, 512 // block * type_size), dtype=np.uint8)
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", q, raw_dtype=kind)
+        raw[f"model.layers.{i}.down_proj.weight"] = (q, kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    got = read_tensors(gguf.GGUFReader(str(tmp_path / "q.gguf")))
+    assert set(got) == set(raw)
+    for name, (q, kind) in raw.items():
+        assert tuple(got[name].shape) == (6, 512), kind.name
+        np.testing.assert_array_equal(got[name].numpy(), gguf.quants.dequantize(q, kind).reshape(6, 512))
+        if kind in kinds:  # and close to the weights it came from
+            tol = {T.F32: 0, T.F16: 2e-3, T.BF16: 2e-2, T.Q8_0: 3e-2}.get(kind, 0.5)
+            assert float(np.abs(got[name].numpy() - w).max()) <= tol, kind.name

@@ -180,3 +180,30 @@ def test_logprobs_report_the_sampled_token_and_the_top_n(models: dict[str, Path]
     )
     plain = eng.generate([PROMPTS[1]], GREEDY)[0].outputs[0]
     assert plain.logprobs is None and plain.token_ids[:5] == out.token_ids
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_on_cpu_keeps_greedy_output_under_preemption(
+    models: dict[str, Path], dtype: str
+) -> None:
+    """bf16/fp16 run on CPU too (KV and weights in that dtype, attention math in float32); their
+    greedy tokens drift from float32's after a few steps, so the oracle is the same dtype's
+    unconstrained run."""
+    path = str(models["llama"])
+    free = Engine(path, dtype=dtype, block_size=4, num_device_blocks=64, calibrate=False).generate(
+        PROMPTS, GREEDY
+    )
+    for mode in ("recompute", "swap"):
+        eng = Engine(
+            path,
+            dtype=dtype,
+            block_size=4,
+            num_device_blocks=12,
+            num_host_blocks=32,
+            preemption_mode=mode,
+            calibrate=False,
+        )
+        assert eng.kv.device_kv.dtype == getattr(torch, dtype)
+        got = eng.generate(PROMPTS, GREEDY)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in free]
+        assert eng.stats()["num_preemptions"] > 0

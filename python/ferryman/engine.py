@@ -22,7 +22,7 @@ from ferryman.sampling_params import SamplingParams
 from ferryman.worker.calibrate import host_link_bytes_per_s, prefill_tokens_per_s, profile_kv_blocks
 from ferryman.worker.kv_cache import KvCache
 from ferryman.worker.model_runner import ModelRunner
-from ferryman.worker.sampler import sample
+from ferryman.worker.sampler import gather_logprobs, sample
 
 Prompt = str | Sequence[int]
 
@@ -279,28 +279,7 @@ class Engine:
             torch.tensor([r.seed + 1000003 * k for r, k in zip(reqs, ks, strict=True)], device=dev),
             torch.tensor(positions, device=dev),
         )
-        return tokens.cpu().numpy(), self._gather_logprobs(logits, tokens, [p.logprobs for p in ps])
-
-    @staticmethod
-    def _gather_logprobs(
-        logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int | None]
-    ) -> list[dict[int, float] | None]:
-        """For rows that ask for logprobs: the sampled token's and the top-N of the model's
-        distribution (log-softmax of the raw logits), as ``{token_id: logprob}``."""
-        rows = [i for i, n in enumerate(wanted) if n is not None]
-        out: list[dict[int, float] | None] = [None] * len(wanted)
-        if not rows:
-            return out
-        lp = torch.log_softmax(logits[rows], dim=-1)
-        top = max(wanted[i] or 0 for i in rows)
-        vals, ids = lp.topk(top, dim=-1) if top > 0 else (lp[:, :0], lp[:, :0].long())
-        chosen = lp.gather(1, tokens[rows].long()[:, None])[:, 0]
-        for j, i in enumerate(rows):
-            n = wanted[i] or 0
-            d = {int(t): float(v) for t, v in zip(ids[j, :n].tolist(), vals[j, :n].tolist(), strict=True)}
-            d[int(tokens[i])] = float(chosen[j])
-            out[i] = d
-        return out
+        return tokens.cpu().numpy(), gather_logprobs(logits, tokens, [p.logprobs for p in ps])
 
     def _append(self, rid: int, req: _Request, out: CompletionOutput, tok: int, reason: str | None) -> None:
         out.token_ids.append(tok)

@@ -61,3 +61,24 @@ def sample(
     out = greedy.clone()
     out[rand] = chosen
     return out.to(torch.int32)
+
+
+def gather_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int | None]
+) -> list[dict[int, float] | None]:
+    """For rows that ask for logprobs: the sampled token's and the top-N of the model's
+    distribution (log-softmax of the raw logits), as ``{token_id: logprob}``."""
+    rows = [i for i, n in enumerate(wanted) if n is not None]
+    out: list[dict[int, float] | None] = [None] * len(wanted)
+    if not rows:
+        return out
+    lp = torch.log_softmax(logits[rows], dim=-1)
+    top = max(wanted[i] or 0 for i in rows)
+    vals, ids = lp.topk(top, dim=-1) if top > 0 else (lp[:, :0], lp[:, :0].long())
+    chosen = lp.gather(1, tokens[rows].long()[:, None])[:, 0]
+    for j, i in enumerate(rows):
+        n = wanted[i] or 0
+        d = {int(t): float(v) for t, v in zip(ids[j, :n].tolist(), vals[j, :n].tolist(), strict=True)}
+        d[int(tokens[i])] = float(chosen[j])
+        out[i] = d
+    return out

@@ -90,8 +90,19 @@ class Roofline:
         return StepCost(flops, nbytes, compute_s, memory_s, max(compute_s, memory_s) + self.step_overhead_s)
 
     def plan_cost(self, plan: SchedulerOutput) -> StepCost:
+        s, t = plan.seq_lens, plan.num_scheduled_tokens
+        if t == len(s) and t > 0:  # decode rows only (the common step): one token and one sample each
+            kv_len = int(s.sum(dtype=np.int64))
+            flops = (
+                self._linear_flops_per_token + self._head_flops_per_sample
+            ) * t + self._attn_flops_per_pair * kv_len
+            nbytes = self.weight_bytes + self.kv_bytes_per_token * (kv_len + t)
+            compute_s, memory_s = flops / self._flops_per_s, nbytes / self._bytes_per_s
+            return StepCost(
+                flops, nbytes, compute_s, memory_s, max(compute_s, memory_s) + self.step_overhead_s
+            )
         qo = plan.qo_indptr
-        return self.cost(qo[1:] - qo[:-1], plan.seq_lens, len(plan.logits_indices))
+        return self.cost(qo[1:] - qo[:-1], s, len(plan.logits_indices))
 
     def prefill_tokens_per_s(self, num_tokens: int, chunk: int = 512) -> float:
         """Prefill rate at a full token budget of ``num_tokens`` made of ``chunk``-token prompts

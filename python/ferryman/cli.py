@@ -9,6 +9,7 @@ import json
 import sys
 from typing import Any
 
+from ferryman.detokenizer import releasable
 from ferryman.model_loader import DEFAULT_MODEL
 from ferryman.sampling_params import SamplingParams
 
@@ -180,12 +181,11 @@ def _stream(engine: Any, prompt: str, params: SamplingParams) -> Any:
     """Yields the text of one request as the engine steps, holding back a possible stop string."""
     rid = f"cli-{id(prompt)}"
     engine.add_request(rid, prompt, params)
-    hold = max((len(s) for s in params.stop), default=1) - 1
     sent = 0
     while engine.has_unfinished_requests():
         for ro in engine.step():
             o = ro.outputs[0]
-            end = len(o.text) if ro.finished else max(sent, len(o.text) - hold)
+            end = releasable(o.text, sent, params.stop, ro.finished)
             if end > sent:
                 yield o.text[sent:end]
                 sent = end

@@ -40,3 +40,13 @@ class IncrementalDetokenizer:
         delta = after[len(before) :]
         self._prefix, self._read = self._read, len(ids)
         return delta
+
+
+def releasable(text: str, sent: int, stop: list[str], finished: bool) -> int:
+    """How much of ``text`` a stream may send: all once finished, else all but the characters
+    that could still begin a stop string (the longest one minus one), never less than ``sent``.
+    So a stream never sends text that the final result then cuts."""
+    if finished:
+        return len(text)
+    hold = max((len(s) for s in stop), default=1) - 1
+    return max(sent, len(text) - hold)

@@ -7,7 +7,7 @@ through ``loop.call_soon_threadsafe``. A forward pass therefore never blocks the
 (torch releases the GIL while it computes).
 
 Stop strings: text that might be the start of a stop string is held back until the next token
-decides it, so a stream never sends text that the final result then cuts.
+decides it (``detokenizer.releasable``), so a stream never sends text the final result cuts.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ferryman.detokenizer import releasable
 from ferryman.engine import Engine, Prompt
 from ferryman.outputs import RequestOutput
 from ferryman.sampling_params import SamplingParams
@@ -53,7 +54,7 @@ class EngineDeadError(RuntimeError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[Any]
-    hold: int  # characters held back: longest stop string - 1
+    stop: list[str]  # the request's stop strings (their possible starts are held back)
     text_sent: list[int] = field(default_factory=list)
     tokens_sent: list[int] = field(default_factory=list)
     finish_sent: list[bool] = field(default_factory=list)
@@ -116,11 +117,17 @@ class AsyncEngine:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[Any] = asyncio.Queue()
-        hold = max((len(s) for s in params.stop), default=1) - 1
         with self._lock:
             self._pending_adds += 1
         self._put(
-            ("add", request_id, prompt, params, arrival_time or time.monotonic(), _Stream(loop, q, hold))
+            (
+                "add",
+                request_id,
+                prompt,
+                params,
+                arrival_time or time.monotonic(),
+                _Stream(loop, q, params.stop),
+            )
         )
         first = await q.get()
         if isinstance(first, BaseException):
@@ -155,7 +162,7 @@ class AsyncEngine:
             self._drain_commands()
             if not self.engine.has_unfinished_requests():
                 if busy and self.metrics is not None:
-                    self.metrics.on_idle(self.engine.scheduler.stats())
+                    self.metrics.set_state(self.engine.scheduler.stats())
                 if busy and self.trace is not None:
                     self.trace.flush()
                 busy = False
@@ -232,7 +239,7 @@ class AsyncEngine:
         for o in ro.outputs:
             k = o.index
             done = o.finish_reason is not None
-            end = len(o.text) if done else max(s.text_sent[k], len(o.text) - s.hold)
+            end = releasable(o.text, s.text_sent[k], s.stop, done)
             toks = o.token_ids[s.tokens_sent[k] :]
             if end == s.text_sent[k] and not toks and done == s.finish_sent[k]:
                 continue

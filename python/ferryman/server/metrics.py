@@ -1,6 +1,6 @@
 """Prometheus metrics of a running engine, in a registry owned by one server (no global state).
 
-Updated only from the engine thread (``on_step``, ``on_finished``, ``on_added``), read by
+Updated only from the engine thread (``on_step``, ``set_state``, ``on_finished``, ``on_added``), read by
 ``GET /metrics``. Counters about preemption come from the core's telemetry events, so they equal
 the ``"preemption"`` records of the step trace one for one.
 """
@@ -94,13 +94,7 @@ class Metrics:
         step_s: float,
     ) -> None:
         cfg = self._cfg
-        self.running.set(plan.num_running)
-        self.waiting.set(plan.num_waiting)
-        self.swapped.set(plan.num_swapped)
-        self.device_free.set(stats["num_free_device_blocks"])
-        self.host_free.set(stats["num_free_host_blocks"])
-        self.device_usage.set(1 - stats["num_free_device_blocks"] / max(1, cfg.num_device_blocks))
-        self.host_usage.set(1 - stats["num_free_host_blocks"] / max(1, cfg.num_host_blocks))
+        self.set_state(stats)
         self.budget_util.observe(plan.num_scheduled_tokens / cfg.max_num_batched_tokens)
         for e in events:
             self.preemptions.labels(mode=e["mode"], reason=e["reason"]).inc()
@@ -120,14 +114,17 @@ class Metrics:
         self.sched.observe(plan.schedule_ns * 1e-9)
         self.step_time.observe(step_s)
 
-    def on_idle(self, stats: dict[str, int]) -> None:
-        """After the last request left (finished or aborted): gauges show the empty engine."""
-        for g in (self.running, self.waiting, self.swapped):
-            g.set(0)
+    def set_state(self, stats: dict[str, int]) -> None:
+        """Queue sizes and KV use from the core's ``stats()``: after every step, and once more
+        when the last request has left (finished or aborted) so the gauges show the empty engine."""
+        cfg = self._cfg
+        self.running.set(stats["num_running"])
+        self.waiting.set(stats["num_waiting"])
+        self.swapped.set(stats["num_swapped"])
         self.device_free.set(stats["num_free_device_blocks"])
         self.host_free.set(stats["num_free_host_blocks"])
-        self.device_usage.set(1 - stats["num_free_device_blocks"] / max(1, self._cfg.num_device_blocks))
-        self.host_usage.set(1 - stats["num_free_host_blocks"] / max(1, self._cfg.num_host_blocks))
+        self.device_usage.set(1 - stats["num_free_device_blocks"] / max(1, cfg.num_device_blocks))
+        self.host_usage.set(1 - stats["num_free_host_blocks"] / max(1, cfg.num_host_blocks))
 
     def on_finished(self, out: RequestOutput) -> None:
         for o in out.outputs:

@@ -9,7 +9,8 @@ runs this on a GPU machine; it needs CUDA, and FlashInfer for the attention back
   and is inside the synchronised forward time);
 - swap bandwidth (device -> host -> device, GB/s) for block sizes 16 and 64, blocks scattered,
   against one plain pinned ``copy_`` of a buffer of the same size;
-- CUDA graphs vs eager decode: not implemented yet (reported as such).
+- CUDA graphs vs eager decode: the same runner's median decode step with its graphs, then with
+  them switched off, at each batch size (graphs only exist on CUDA with FlashInfer).
 """
 
 from __future__ import annotations
@@ -73,22 +74,24 @@ def sync() -> None:
 
 def decode_and_prefill(model: LlamaForCausalLM, batch: int, ctx: int, steps: int) -> dict[str, Any]:
     cfg, dev, bs = model.cfg, next(model.parameters()).device, 16
-    blocks = batch * (-(-(ctx + steps + 8) // bs)) + 8
+    blocks = batch * (-(-(ctx + 2 * steps + 8) // bs)) + 8
     kv = KvCache(cfg.num_layers, blocks, 0, bs, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, dev)
-    runner = ModelRunner(model, kv, bs, dev)
+    runner = ModelRunner(model, kv, bs, dev, max_num_seqs=max(batch, 1), max_model_len=ctx + 2 * steps + 8)
     s = Scheduler(
         SchedulerConfig(
             block_size=bs,
             num_device_blocks=blocks,
             max_num_batched_tokens=8192,
             max_num_seqs=max(batch, 1),
-            max_model_len=ctx + steps + 8,
+            max_model_len=ctx + 2 * steps + 8,
             enable_prefix_caching=False,
         )
     )
     rng = np.random.default_rng(batch)
     for r in range(batch):
-        s.add_request(r, rng.integers(0, cfg.vocab_size, ctx).astype(np.int32), steps + 4, ignore_eos=True)
+        s.add_request(
+            r, rng.integers(0, cfg.vocab_size, ctx).astype(np.int32), 2 * steps + 4, ignore_eos=True
+        )
     prefill_tokens, prefill_s = 0, 0.0
     while True:  # prefill everything (the budget splits it into chunks)
         out = s.schedule()
@@ -103,19 +106,10 @@ def decode_and_prefill(model: LlamaForCausalLM, batch: int, ctx: int, steps: int
         prefill_tokens += out.num_prefill_tokens
         s.update(toks)
     s.update(runner.execute(out).argmax(-1).to(torch.int32).cpu().numpy())  # the first decode step
-    step_s, fwd_s = [], []
-    for _ in range(steps):
-        sync()
-        t0 = time.perf_counter()
-        out = s.schedule()
-        t1 = time.perf_counter()
-        logits = runner.execute(out)
-        toks = logits.argmax(-1).to(torch.int32).cpu().numpy()  # the sync point
-        t2 = time.perf_counter()
-        s.update(toks)
-        t3 = time.perf_counter()
-        step_s.append(t3 - t0)
-        fwd_s.append(t2 - t1)
+    step_s, fwd_s = decode_steps(s, runner, steps)
+    graphs, runner.graphs = runner.graphs, None
+    eager_s = decode_steps(s, runner, steps)[0] if graphs is not None else None
+    runner.graphs = graphs
     step, fwd = float(np.median(step_s)), float(np.median(fwd_s))
     kv_bytes = batch * (ctx + steps / 2) * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
     weights = (
@@ -133,7 +127,28 @@ def decode_and_prefill(model: LlamaForCausalLM, batch: int, ctx: int, steps: int
         "hbm_roofline_step_ms": round(roofline_s * 1e3, 3),
         "decode_vs_roofline": round(roofline_s / step, 3),
         "prefill_tokens_per_s": round(prefill_tokens / prefill_s, 1) if prefill_s else None,
+        "cuda_graphs": graphs is not None,
+        "eager_decode_step_ms": round(float(np.median(eager_s)) * 1e3, 3) if eager_s else None,
+        "graph_speedup": round(float(np.median(eager_s)) / step, 3) if eager_s else None,
     }
+
+
+def decode_steps(s: Scheduler, runner: ModelRunner, steps: int) -> tuple[list[float], list[float]]:
+    """Wall time of whole decode steps and of their forward + sampling part."""
+    step_s, fwd_s = [], []
+    for _ in range(steps):
+        sync()
+        t0 = time.perf_counter()
+        out = s.schedule()
+        t1 = time.perf_counter()
+        logits = runner.execute(out)
+        toks = logits.argmax(-1).to(torch.int32).cpu().numpy()  # the sync point
+        t2 = time.perf_counter()
+        s.update(toks)
+        t3 = time.perf_counter()
+        step_s.append(t3 - t0)
+        fwd_s.append(t2 - t1)
+    return step_s, fwd_s
 
 
 def swap_bandwidth(
@@ -196,7 +211,6 @@ def main() -> None:
     report["swap"] = [swap_bandwidth(16, dev, n, layers), swap_bandwidth(64, dev, n, layers)]
     model = random_llama(dev, a.smoke)
     report["decode"] = [decode_and_prefill(model, int(b), a.context, a.steps) for b in a.batches.split(",")]
-    report["cuda_graphs"] = "not implemented: decode runs eager"
     print(json.dumps(report))
 
 

@@ -29,6 +29,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=int, default=512 << 20, help="device KV bytes (CPU)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of the GPU (CUDA)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flashinfer"])
+    g.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (GPU + FlashInfer)"
+    )
     g.add_argument("--preemption-mode", default="auto", choices=["recompute", "swap", "auto"])
     g.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"], help="victim order")
     g.add_argument("--no-prefix-caching", action="store_true")
@@ -51,6 +54,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_memory": a.kv_cache_memory,
         "gpu_memory_utilization": a.gpu_memory_utilization,
         "attention_backend": a.attention_backend,
+        "enforce_eager": a.enforce_eager,
         "preemption_mode": a.preemption_mode,
         "policy": a.policy,
         "enable_prefix_caching": not a.no_prefix_caching,

@@ -73,6 +73,7 @@ class Engine:
         kv_cache_memory: int = 512 << 20,
         gpu_memory_utilization: float = 0.9,
         attention_backend: str = "auto",
+        enforce_eager: bool = False,
         preemption_mode: str = "auto",
         policy: str = "fcfs",
         enable_prefix_caching: bool = True,
@@ -100,7 +101,10 @@ class Engine:
             mc.num_layers, num_device_blocks, num_host_blocks, block_size, mc.num_kv_heads, mc.head_dim,
             self.dtype, self.device,
         )  # fmt: skip
-        self.runner = ModelRunner(self.model, self.kv, block_size, self.device, attention_backend)
+        self.runner = ModelRunner(
+            self.model, self.kv, block_size, self.device, attention_backend,
+            enforce_eager=enforce_eager, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
+        )  # fmt: skip
         self.calibration: dict[str, float] = {}
         started = time.perf_counter()
         if calibrate:
@@ -206,6 +210,7 @@ class Engine:
             "prefill_tokens_per_s": cfg.prefill_tokens_per_s,
             "calibrated": sorted(self.calibration),
         }
+        st["num_cuda_graph_steps"] = self.runner.num_graph_steps
         return st
 
     # -- stepping ------------------------------------------------------------------------------

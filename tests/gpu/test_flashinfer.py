@@ -76,3 +76,32 @@ def test_forced_preemption_gives_identical_greedy_output_on_gpu(tmp_path: Path, 
     st = tight.stats()
     assert st["num_preemptions"] > 0
     assert st["num_free_device_blocks"] == 6
+
+
+def test_cuda_graphs_replay_decode_with_the_eager_output(tmp_path: Path) -> None:
+    from tiny_models import build
+
+    from ferryman.engine import Engine
+    from ferryman.sampling_params import SamplingParams
+
+    path = str(build("llama", tmp_path, hidden_size=256, intermediate_size=512))
+    prompts = [[*range(30, 50), i] for i in range(5)]  # 5 rows run on the size-8 graph
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    kw = {
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "attention_backend": "flashinfer",
+        "calibrate": False,
+        "block_size": 16,
+        "num_device_blocks": 64,
+        "num_host_blocks": 0,
+        "max_num_seqs": 16,
+    }
+    eager = Engine(path, enforce_eager=True, **kw)
+    graphs = Engine(path, **kw)
+    assert eager.runner.graphs is None and graphs.runner.graphs.sizes == [1, 2, 4, 8, 16]
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in graphs.generate(prompts, params)]
+    assert got == want
+    assert graphs.stats()["num_cuda_graph_steps"] >= 19  # every decode step after the prefill
+    assert eager.stats()["num_cuda_graph_steps"] == 0

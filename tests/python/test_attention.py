@@ -126,16 +126,64 @@ def test_flashinfer_plan_metadata_from_the_core_arrays() -> None:
     s.update(np.ones(len(out.logits_indices), dtype=np.int32))
 
 
+def test_cuda_graph_sizes_and_the_size_a_batch_runs_on() -> None:
+    from ferryman.worker.cuda_graph import capture_sizes, graph_size
+
+    assert capture_sizes(256) == [1, 2, 4, 8, *range(16, 257, 16)]
+    assert capture_sizes(5) == [1, 2, 4, 5]
+    assert capture_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert capture_sizes(1000)[-1] == 256 and capture_sizes(0) == []
+    sizes = capture_sizes(40)
+    assert [graph_size(sizes, b) for b in (1, 3, 8, 9, 17, 33, 40)] == [1, 4, 8, 16, 32, 40, 40]
+    assert graph_size(sizes, 41) is None and graph_size(sizes, 0) is None
+
+
+def test_graph_padding_keeps_the_step_and_pads_on_the_null_block() -> None:
+    """The host side of a CUDA-graph replay: the real rows unchanged, and every dummy row one
+    token on page 0 (the null block, which no request owns), writing slot 0."""
+    from ferryman.worker.cuda_graph import pad_decode
+
+    bs = 4
+    s = Scheduler(
+        SchedulerConfig(block_size=bs, num_device_blocks=32, max_num_batched_tokens=64, max_model_len=64)
+    )
+    for r, n in enumerate((9, 4, 13)):
+        s.add_request(r, list(range(100 * r + 1, 100 * r + 1 + n)), 4, ignore_eos=True)
+    out = s.schedule()
+    with pytest.raises(ValueError, match="decode-only"):
+        pad_decode(out, 8)
+    s.update(np.ones(len(out.logits_indices), dtype=np.int32))
+    out = s.schedule()
+    p = pad_decode(out, 8)
+    assert len(p.input_ids) == len(p.positions) == len(p.slot_mapping) == len(p.kv_last_page_len) == 8
+    assert p.input_ids[:3].tolist() == out.input_ids.tolist() and p.input_ids[3:].tolist() == [0] * 5
+    assert p.positions[:3].tolist() == out.positions.tolist()
+    assert p.slot_mapping[:3].tolist() == out.slot_mapping.tolist() and not p.slot_mapping[3:].any()
+    assert p.kv_indptr.tolist() == [*out.kv_indptr.tolist(), *(out.kv_indptr[-1] + np.arange(1, 6))]
+    assert p.kv_indices.tolist() == [*out.kv_indices.tolist(), 0, 0, 0, 0, 0]
+    pages = np.diff(p.kv_indptr)
+    kv_len = bs * (pages - 1) + p.kv_last_page_len
+    assert kv_len.tolist() == [*out.seq_lens.tolist(), 1, 1, 1, 1, 1]
+    assert 0 not in out.kv_indices.tolist()  # so the dummies share no block with a request
+    with pytest.raises(ValueError, match="do not fit"):
+        pad_decode(out, 2)
+    s.update(np.ones(len(out.logits_indices), dtype=np.int32))
+
+
 def test_cpu_runner_picks_torch_and_flashinfer_needs_a_gpu(tmp_path: Path) -> None:
     import sys
 
     from tiny_models import build
 
     from ferryman.engine import Engine
+    from ferryman.sampling_params import SamplingParams
 
     path = str(build("llama", tmp_path))
     eng = Engine(path, block_size=4, num_device_blocks=8, num_host_blocks=0, calibrate=False)
     assert eng.runner.attention_backend == "torch"
+    assert eng.runner.graphs is None  # CUDA graphs belong to the FlashInfer path only
+    eng.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3))
+    assert eng.stats()["num_cuda_graph_steps"] == 0
     assert "flashinfer" not in sys.modules  # the CPU path never imports it
     with pytest.raises(ValueError, match=r"ferryman\[gpu\]"):
         Engine(path, block_size=4, num_device_blocks=8, calibrate=False, attention_backend="flashinfer")

@@ -69,3 +69,21 @@ def test_every_command_has_help(cmd: list[str], capsys: pytest.CaptureFixture[st
         main([*cmd, "--help"])
     assert e.value.code == 0
     assert "usage: ferryman" in capsys.readouterr().out
+
+
+def test_every_engine_knob_is_a_flag_with_the_engines_default() -> None:
+    """``add_engine_args`` + ``engine_kwargs`` cover every keyword of ``Engine`` (the model is the
+    positional argument), and parsing no flags gives the Engine's own defaults."""
+    import argparse
+    import inspect
+
+    from ferryman.cli import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    got = engine_kwargs(p.parse_args([]))
+    params = {k: v.default for k, v in inspect.signature(Engine.__init__).parameters.items()}
+    del params["self"], params["model"]
+    assert got == params
+    flagged = engine_kwargs(p.parse_args(["--enforce-eager", "--attention-backend", "torch"]))
+    assert flagged["enforce_eager"] is True and flagged["attention_backend"] == "torch"

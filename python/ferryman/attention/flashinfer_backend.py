@@ -67,10 +67,10 @@ class FlashInferBackend:
         self.heads = (num_qo_heads, num_kv_heads, head_dim)
         self.dtype = kv.device_kv.dtype
         device = kv.device_kv.device
-        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD")
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)  # graphs share it
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="NHD")
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace, kv_layout="NHD", use_tensor_cores=True
+            self.workspace, kv_layout="NHD", use_tensor_cores=True
         )
         self._wrapper: Any = self._decode
         self._blk = torch.empty(0, dtype=torch.long, device=device)
@@ -102,11 +102,24 @@ class FlashInferBackend:
             self._wrapper = self._prefill
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cache = self.kv.layer(layer_idx)
-        cache[self._blk, 0, self._off] = k.to(cache.dtype)
-        cache[self._blk, 1, self._off] = v.to(cache.dtype)
-        out: torch.Tensor = self._wrapper.run(q.to(cache.dtype), cache)
-        return out.to(q.dtype)
+        return write_and_attend(self.kv.layer(layer_idx), self._blk, self._off, self._wrapper, q, k, v)
+
+
+def write_and_attend(
+    cache: torch.Tensor,
+    blk: torch.Tensor,
+    off: torch.Tensor,
+    wrapper: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> torch.Tensor:
+    """Writes the step's K/V into one layer's ``[blocks, 2, bs, Hkv, D]`` cache at (block,
+    offset), then runs the planned wrapper; no host sync, so CUDA graphs can capture it."""
+    cache[blk, 0, off] = k.to(cache.dtype)
+    cache[blk, 1, off] = v.to(cache.dtype)
+    out: torch.Tensor = wrapper.run(q.to(cache.dtype), cache)
+    return out.to(q.dtype)
 
 
 def flashinfer_available() -> bool:

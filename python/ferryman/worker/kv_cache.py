@@ -86,8 +86,16 @@ class KvCache:
             self.device_kv[idx[:, 1]] = self.device_kv[idx[:, 0]]
 
     def _swap(self, swap_out: np.ndarray, swap_in: np.ndarray) -> None:
-        nb = self._cuda  # non_blocking only where the host side is pinned
-        for s, d, n in contiguous_runs(swap_out).tolist():
-            self.host_kv[d : d + n].copy_(self.device_kv[s : s + n], non_blocking=nb)
-        for s, d, n in contiguous_runs(swap_in).tolist():
-            self.device_kv[d : d + n].copy_(self.host_kv[s : s + n], non_blocking=nb)
+        """Each plan's runs in one multi-tensor copy call (the per-run dispatch happens in C++, not
+        in a Python loop); swap-out before swap-in, since a block one frees the other may take."""
+        for plan, src, dst in (
+            (swap_out, self.device_kv, self.host_kv),
+            (swap_in, self.host_kv, self.device_kv),
+        ):
+            runs = contiguous_runs(plan).tolist()
+            if runs:
+                torch._foreach_copy_(
+                    [dst[d : d + n] for _, d, n in runs],
+                    [src[s : s + n] for s, _, n in runs],
+                    non_blocking=self._cuda,  # the host side is pinned there
+                )

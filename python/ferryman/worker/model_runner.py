@@ -1,7 +1,9 @@
 """ModelRunner: one step's tensors in, logits of the rows to sample out.
 
 Order within a step: the swap/copy plans, then the attention plan, then the forward, then the
-logits of ``logits_indices`` (a row repeats for n > 1)."""
+logits of ``logits_indices`` (a row repeats for n > 1). With FlashInfer and without
+``enforce_eager``, a decode-only step that fits a captured batch size replays a CUDA graph
+(``worker/cuda_graph.py``) instead of the eager plan + forward."""
 
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         attention_backend: str = "auto",
+        enforce_eager: bool = False,
+        max_num_seqs: int = 256,
+        max_model_len: int = 8192,
     ) -> None:
         """``attention_backend``: "torch" (the reference; the CPU path), "flashinfer" (CUDA and
         ``ferryman[gpu]``), or "auto" (FlashInfer when both are there, else torch)."""
@@ -55,6 +60,14 @@ class ModelRunner:
         else:
             self.attn = TorchAttentionBackend(kv.device_kv, block_size, scale=scale)
         self.attention_backend = "flashinfer" if use_fi else "torch"
+        self.graphs: Any = None  # DecodeGraphs where CUDA graphs are on
+        self.num_graph_steps = 0
+        if use_fi and not enforce_eager:
+            from ferryman.worker.cuda_graph import DecodeGraphs, capture_sizes
+
+            sizes = capture_sizes(max_num_seqs)
+            pages = -(-max_model_len // block_size)
+            self.graphs = DecodeGraphs(model, kv, block_size, scale, sizes, pages, self.attn.workspace)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -62,9 +75,13 @@ class ModelRunner:
         self.kv.run_plans(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
         if out.num_scheduled_tokens == 0:
             return torch.empty((0, self.model.cfg.vocab_size), dtype=torch.float32)
-        self.attn.plan(out)
-        input_ids = torch.from_numpy(out.input_ids).to(self.device, torch.long)
-        positions = torch.from_numpy(out.positions).to(self.device)
-        hidden = self.model(input_ids, positions, self.attn)
+        hidden = self.graphs.run(out) if self.graphs is not None else None
+        if hidden is not None:
+            self.num_graph_steps += 1
+        else:
+            self.attn.plan(out)
+            input_ids = torch.from_numpy(out.input_ids).to(self.device, torch.long)
+            positions = torch.from_numpy(out.positions).to(self.device)
+            hidden = self.model(input_ids, positions, self.attn)
         rows = hidden[torch.from_numpy(out.logits_indices).to(self.device)]
         return self.model.compute_logits(rows)

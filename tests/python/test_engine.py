@@ -207,3 +207,39 @@ def test_half_precision_on_cpu_keeps_greedy_output_under_preemption(
         got = eng.generate(PROMPTS, GREEDY)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in free]
         assert eng.stats()["num_preemptions"] > 0
+
+
+class _DenseCausal:
+    """One sequence's plain causal attention, as the oracle attention for a bare model forward."""
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
+        )
+        return o.transpose(0, 1)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_packed_cpu_weights_give_the_plain_logits(models: dict[str, Path], kind: str) -> None:
+    """oneDNN-packed projections and LM head (untied: llama, qwen3; tied with q/k/v bias: qwen2)
+    against the plain float32 model on the same tokens; packing frees the plain weights."""
+    from ferryman.model_loader import load_model
+    from ferryman.models.llama import Linear
+
+    cpu = torch.device("cpu")
+    plain, _ = load_model(models[kind], torch.float32, cpu)
+    packed, _ = load_model(models[kind], torch.float32, cpu)
+    assert packed.pack_cpu_weights()
+    lin = [m for m in packed.modules() if isinstance(m, Linear)]
+    assert lin and all(m.packed is not None and m.weight.numel() == 0 for m in lin)
+    ids = torch.randint(0, plain.cfg.vocab_size, (37,))
+    pos = torch.arange(37)
+    with torch.inference_mode():
+        want = plain.compute_logits(plain(ids, pos, _DenseCausal()))
+        got = packed.compute_logits(packed(ids, pos, _DenseCausal()))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert want.abs().max() > 1.0  # not a degenerate comparison
+    half, _ = load_model(models[kind], torch.bfloat16, cpu)
+    assert not half.pack_cpu_weights()  # packing is for float32 only

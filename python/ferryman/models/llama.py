@@ -4,6 +4,11 @@ embeddings (SmolLM2).
 
 The model runs on a flat batch of tokens ``[T]`` (every request's scheduled tokens back to back)
 and leaves attention over the paged KV cache to an ``AttentionBackend``; it never sees requests.
+
+On CPU in float32, ``pack_cpu_weights()`` moves every projection and the LM head to oneDNN's
+packed weight layout (the one PyTorch's own CPU inference path uses after freezing): for the
+small row counts of decode steps MKL's plain sgemm streams the weights at a quarter of the
+memory bandwidth, the packed kernels at about twice that (``benchmarks/cpu_linear.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,37 @@ class Attention(Protocol):
     """What a layer needs from the attention backend (see ``ferryman.attention``)."""
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+PACK_ROWS_HINT = 16  # oneDNN picks the packed layout for this many rows; measured best for 1..2048
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)  # type: ignore[no-any-return]
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # type: ignore[no-any-return]
+
+
+def can_pack_cpu_weights(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose weight can move to oneDNN's packed layout (``pack()``; CPU float32).
+    Packing frees the plain weight: a packed layer is for inference only."""
+
+    packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        self.packed = _pack(self.weight)
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return _packed_linear(x, self.packed, self.bias)
 
 
 @dataclass(slots=True)
@@ -135,15 +171,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         b = cfg.attention_bias
-        self.q_proj = nn.Linear(h, self.nq * d, bias=b)
-        self.k_proj = nn.Linear(h, self.nkv * d, bias=b)
-        self.v_proj = nn.Linear(h, self.nkv * d, bias=b)
-        self.o_proj = nn.Linear(self.nq * d, h, bias=False)
+        self.q_proj = Linear(h, self.nq * d, bias=b)
+        self.k_proj = Linear(h, self.nkv * d, bias=b)
+        self.v_proj = Linear(h, self.nkv * d, bias=b)
+        self.o_proj = Linear(self.nq * d, h, bias=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.gate_proj = Linear(h, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(h, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, h, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Attention) -> torch.Tensor:
         t = x.shape[0]
@@ -175,8 +211,9 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (
-            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
+        self._tied_head_packed: torch.Tensor | None = None
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     @classmethod
@@ -206,8 +243,26 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[S, vocab]`` of the rows to sample."""
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        if self.lm_head is not None:
+            out: torch.Tensor = self.lm_head(hidden)
+        elif self._tied_head_packed is not None:
+            out = _packed_linear(hidden, self._tied_head_packed, None)
+        else:
+            out = F.linear(hidden, self.embed_tokens.weight)
+        return out.float()
+
+    def pack_cpu_weights(self) -> bool:
+        """Packs every projection and the LM head for oneDNN (see the module docstring); False,
+        and nothing changed, where that does not apply (not CPU float32, or no oneDNN)."""
+        w = self.embed_tokens.weight
+        if not can_pack_cpu_weights(w.device, w.dtype):
+            return False
+        for m in self.modules():
+            if isinstance(m, Linear) and m.packed is None:
+                m.pack()
+        if self.lm_head is None:
+            self._tied_head_packed = _pack(w)  # the embedding keeps its plain weight for lookups
+        return True
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Loads weights named as in a Hugging Face checkpoint; names every missing tensor."""

@@ -11,7 +11,9 @@ query head h to KV head h // (Hq / Hkv).
 Decode rows (one query each) run batched in groups of up to ``DECODE_GROUP`` rows of similar
 length (sorted by block count, so little is padded): each group's block tables are padded with
 the null block to its longest, K and V are gathered separately (one contiguous copy each, no
-reshape copies), and a key mask hides the padding. Prefill rows run one by one.
+reshape copies), and a key mask hides the padding. Prefill rows run one by one. Gathers use
+``index_select`` on dim 0, about 3x faster on CPU than advanced indexing over the block-strided
+layer view.
 """
 
 from __future__ import annotations
@@ -81,16 +83,19 @@ class TorchAttentionBackend:
         keys_all, vals_all = cache[:, 0], cache[:, 1]  # [num_blocks, bs, Hkv, D] views
         for grp in self._groups:
             b = grp.table.shape[0]
-            keys = keys_all[grp.table].float().view(b, -1, nkv, d).transpose(1, 2)  # [b, Hkv, L, D]
-            vals = vals_all[grp.table].float().view(b, -1, nkv, d).transpose(1, 2)
-            qd = q[grp.tokens].float()[:, :, None, :]  # [b, Hq, 1, D]
+            flat = grp.table.view(-1)
+            keys = (
+                keys_all.index_select(0, flat).float().view(b, -1, nkv, d).transpose(1, 2)
+            )  # [b, Hkv, L, D]
+            vals = vals_all.index_select(0, flat).float().view(b, -1, nkv, d).transpose(1, 2)
+            qd = q.index_select(0, grp.tokens).float()[:, :, None, :]  # [b, Hq, 1, D]
             o = F.scaled_dot_product_attention(
                 qd, keys, vals, attn_mask=grp.mask, scale=self.scale, enable_gqa=nq != nkv
             )
-            out[grp.tokens] = o[:, :, 0, :].to(q.dtype)
+            out.index_copy_(0, grp.tokens, o[:, :, 0, :].to(q.dtype))
         for start, end, blocks, kv_len in self._rows:
             q_len = end - start
-            kv = cache[blocks].float()  # [nb, 2, bs, Hkv, D]
+            kv = cache.index_select(0, blocks).float()  # [nb, 2, bs, Hkv, D]
             keys = kv[:, 0].reshape(-1, nkv, d)[:kv_len]
             vals = kv[:, 1].reshape(-1, nkv, d)[:kv_len]
             if nq != nkv:

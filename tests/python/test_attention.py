@@ -100,6 +100,20 @@ def test_run_grouped_swaps_move_exactly_the_planned_blocks() -> None:
     assert torch.equal(kv.layer(1)[10], before[2, 1])  # a layer view sees the same memory
 
 
+def test_a_swap_out_overlaps_the_forward_only_when_the_step_writes_none_of_its_blocks() -> None:
+    from ferryman.worker.kv_cache import swap_out_blocks_rewritten
+
+    none = np.zeros((0, 2), np.int32)
+    out = np.array([[5, 1], [6, 2]], dtype=np.int32)
+    bs = 4
+    assert not swap_out_blocks_rewritten(none, np.array([0, 1]), none, bs)  # nothing swapped out
+    assert not swap_out_blocks_rewritten(out, np.array([4 * 7 + 2, 4 * 9]), none, bs)  # blocks 7, 9
+    assert swap_out_blocks_rewritten(out, np.array([4 * 7, 4 * 6 + 3]), none, bs)  # block 6 reused
+    assert swap_out_blocks_rewritten(out, np.array([4 * 7]), np.array([[7, 5]], np.int32), bs)  # CoW into 5
+    assert not swap_out_blocks_rewritten(out, np.array([4 * 7]), np.array([[5, 8]], np.int32), bs)  # reads 5
+    assert swap_out_blocks_rewritten(out, None, none, bs)  # unknown writes: wait
+
+
 def test_flashinfer_plan_metadata_from_the_core_arrays() -> None:
     """The host-side part of the GPU backend: int32 CSR arrays FlashInfer takes, untouched, and
     the decode/prefill wrapper choice (FlashInfer itself needs a GPU; tests/gpu runs it)."""

@@ -8,9 +8,12 @@ NHD with a block stride, which FlashInfer accepts). The plans run in the order s
 copy (the scheduler's contract).
 
 On CUDA the host pool is pinned and allocated once; swaps run on a dedicated copy stream that
-first waits for the compute stream (so a block's last writes land before it is copied out), and
-the compute stream waits for the copies' event before the forward (so no freed block is
-rewritten, and no swapped-in block read, before its copy is done).
+first waits for the compute stream (so a block's last writes land before it is copied out). The
+compute stream then waits for exactly what the step needs: for the swap-ins (and the swap-outs
+queued before them) when there are any; for the swap-outs when this step writes one of the
+blocks they free (``swap_out_blocks_rewritten``: the step's slots and copy targets). Otherwise
+the swap-out overlaps this step's forward, and the next step waits for it before anything else,
+so no freed block is rewritten, and no swapped-in block read, before its copy is done.
 """
 
 from __future__ import annotations
@@ -29,6 +32,19 @@ def contiguous_runs(pairs: np.ndarray) -> np.ndarray:
     starts = np.concatenate(([0], breaks))
     lengths = np.diff(np.concatenate((starts, [len(p)])))
     return np.stack([p[starts, 0], p[starts, 1], lengths], axis=1)
+
+
+def swap_out_blocks_rewritten(
+    swap_out: np.ndarray, slot_mapping: np.ndarray | None, copy: np.ndarray, block_size: int
+) -> bool:
+    """Whether a step writes a device block its swap-out frees (through its slots or as a copy
+    target), so its forward must wait for the swap-out; unknown writes (None) count as yes."""
+    if len(swap_out) == 0:
+        return False
+    if slot_mapping is None:
+        return True
+    written = np.concatenate([np.asarray(slot_mapping) // block_size, np.asarray(copy)[:, 1]])
+    return bool(np.isin(swap_out[:, 0], written).any())
 
 
 class KvCache:
@@ -51,6 +67,7 @@ class KvCache:
         # left untouched until used; device blocks are zeroed because the null block pads reads
         self.host_kv = torch.empty((num_host_blocks + 1, *block), dtype=dtype, pin_memory=self._cuda)
         self._copy_stream = torch.cuda.Stream(device) if self._cuda else None  # type: ignore[no-untyped-call]
+        self._pending_swap_out: torch.cuda.Event | None = None  # a swap-out the forward did not wait for
 
     @property
     def num_device_blocks(self) -> int:
@@ -71,16 +88,38 @@ class KvCache:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return num_layers * 2 * block_size * num_kv_heads * head_dim * itemsize
 
-    def run_plans(self, swap_out: np.ndarray, swap_in: np.ndarray, copy: np.ndarray) -> None:
-        if len(swap_out) or len(swap_in):
-            if self._copy_stream is None:
-                self._swap(swap_out, swap_in)
-            else:
-                compute = torch.cuda.current_stream(self.device_kv.device)
+    def run_plans(
+        self,
+        swap_out: np.ndarray,
+        swap_in: np.ndarray,
+        copy: np.ndarray,
+        slot_mapping: np.ndarray | None = None,
+    ) -> None:
+        """Runs one step's plans. ``slot_mapping`` (the step's writes) lets a swap-out that frees
+        no block this step writes overlap the forward (CUDA only; see the module docstring)."""
+        if self._copy_stream is not None:
+            compute = torch.cuda.current_stream(self.device_kv.device)
+            if self._pending_swap_out is not None:
+                compute.wait_event(self._pending_swap_out)
+                self._pending_swap_out = None
+            if len(swap_out) or len(swap_in):
                 self._copy_stream.wait_stream(compute)
                 with torch.cuda.stream(self._copy_stream):
-                    self._swap(swap_out, swap_in)
-                compute.wait_stream(self._copy_stream)
+                    self._swap(swap_out, np.zeros((0, 2), np.int32))
+                    out_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    out_done.record(self._copy_stream)
+                    self._swap(np.zeros((0, 2), np.int32), swap_in)
+                    in_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    in_done.record(self._copy_stream)
+                block_size = int(self.device_kv.shape[3])
+                if len(swap_in):
+                    compute.wait_event(in_done)  # the copy stream runs in order: out, then in
+                elif swap_out_blocks_rewritten(swap_out, slot_mapping, copy, block_size):
+                    compute.wait_event(out_done)
+                else:
+                    self._pending_swap_out = out_done
+        elif len(swap_out) or len(swap_in):
+            self._swap(swap_out, swap_in)
         if len(copy):
             idx = torch.from_numpy(copy).to(self.device_kv.device, torch.long)
             self.device_kv[idx[:, 1]] = self.device_kv[idx[:, 0]]

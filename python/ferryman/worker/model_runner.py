@@ -73,7 +73,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """float32 logits ``[S, vocab]``, S = len(out.logits_indices)."""
-        self.kv.run_plans(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
+        self.kv.run_plans(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy, out.slot_mapping)
         if out.num_scheduled_tokens == 0:
             return torch.empty((0, self.model.cfg.vocab_size), dtype=torch.float32)
         hidden = self.graphs.run(out) if self.graphs is not None else None

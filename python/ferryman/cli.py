@@ -120,7 +120,13 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--token-range", default="100:1000", help="LO:HI token ids of the random prompts")
     t.add_argument("--num-device-blocks", type=int, default=None, help="default: every request fits")
-    t.add_argument("--pool-fraction", type=float, default=None, help="pool = this fraction of the ample peak")
+    t.add_argument("--pool-fraction", type=float, default=None, help="a second run's pool, see --pool-basis")
+    t.add_argument(
+        "--pool-basis",
+        default="peak",
+        choices=["peak", "demand"],
+        help="--pool-fraction of the ample run's peak use (stricter) or of the total demand (the ample pool)",
+    )
     t.add_argument("--num-host-blocks", type=int, default=None)
     t.add_argument("--preemption-mode", default="auto", choices=["recompute", "swap", "auto"])
     t.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -248,7 +254,9 @@ def _bench_throughput(a: argparse.Namespace) -> int:
         ample = bench.run_ferryman(a.model, work, num_device_blocks=demand, **kw)
         report["ferryman_ample"] = ample
         longest = max(-(-(len(p) + m) // 16) for p, m in work)
-        blocks = max(longest, int(ample["peak_blocks_used"] * a.pool_fraction))
+        basis = ample["peak_blocks_used"] if a.pool_basis == "peak" else demand
+        blocks = max(longest, int(basis * a.pool_fraction))
+        report["pool_basis"] = a.pool_basis
     ours = bench.run_ferryman(a.model, work, num_device_blocks=blocks, **kw)
     report["ferryman"] = ours
     if a.pool_fraction:

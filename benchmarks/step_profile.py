@@ -1,0 +1,87 @@
+"""Where an Engine run's time goes, step by step: the `ferryman bench throughput` workload on one
+pool size, timing every ``Engine.step()``.
+
+Prints one JSON line (steps, decode-only steps and their time, mixed steps and their time, mean
+rows per decode step, preemptions), then one line per batch-size bucket of decode-only steps
+(count, mean step time, tokens/s). With ``--pool-fraction`` left out the pool is the whole
+demand (every request fits); ``--num-device-blocks`` sets it directly.
+
+    python benchmarks/step_profile.py                          # ample: 1,202 blocks
+    python benchmarks/step_profile.py --num-device-blocks 199  # 25% of the ample peak use
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from ferryman import bench
+from ferryman.engine import Engine
+from ferryman.sampling_params import SamplingParams
+
+BUCKETS = [(1, 8), (8, 16), (16, 24), (24, 32), (32, 48), (48, 65), (65, 257)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", default="32:256")
+    p.add_argument("--output-len", default="16:256")
+    p.add_argument("--token-range", default="100:1000")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-device-blocks", type=int, default=None)
+    a = p.parse_args()
+    work = bench.workload(a.token_range, a.num_prompts, a.input_len, a.output_len, a.seed)
+    demand = sum(-(-(len(t) + m) // 16) for t, m in work)
+    blocks = a.num_device_blocks or demand
+    engine = Engine(a.model, num_device_blocks=blocks, max_model_len=max(len(t) + m for t, m in work))
+    for i, (tokens, m) in enumerate(work):
+        engine.add_request(str(i), tokens, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
+    rows: list[tuple[int, int, float]] = []  # (rows, prefill tokens, seconds)
+    started = time.perf_counter()
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()
+        out = engine.last_schedule
+        assert out is not None
+        rows.append((len(out.qo_indptr) - 1, out.num_prefill_tokens, time.perf_counter() - t))
+    total = time.perf_counter() - started
+    r = np.array(rows)
+    dec = r[:, 1] == 0
+    print(
+        json.dumps(
+            {
+                "num_device_blocks": blocks,
+                "seconds": round(total, 1),
+                "steps": len(r),
+                "decode_steps": int(dec.sum()),
+                "decode_seconds": round(float(r[dec, 2].sum()), 1),
+                "mixed_seconds": round(float(r[~dec, 2].sum()), 1),
+                "mean_rows_per_decode_step": round(float(r[dec, 0].mean()), 1),
+                "preemptions": engine.stats()["num_preemptions"],
+            }
+        )
+    )
+    for lo, hi in BUCKETS:
+        m = dec & (r[:, 0] >= lo) & (r[:, 0] < hi)
+        if m.any():
+            ms = 1e3 * float(r[m, 2].mean())
+            tps = float(r[m, 0].sum() / r[m, 2].sum())
+            print(
+                json.dumps(
+                    {
+                        "rows": f"{lo}-{hi - 1}",
+                        "steps": int(m.sum()),
+                        "ms_per_step": round(ms, 1),
+                        "tokens_per_s": round(tps, 1),
+                    }
+                )
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -3,8 +3,8 @@ pool size, timing every ``Engine.step()``.
 
 Prints one JSON line (steps, decode-only steps and their time, mixed steps and their time, mean
 rows per decode step, preemptions), then one line per batch-size bucket of decode-only steps
-(count, mean step time, tokens/s). With ``--pool-fraction`` left out the pool is the whole
-demand (every request fits); ``--num-device-blocks`` sets it directly.
+(count, mean step time, tokens/s). The pool is ``--num-device-blocks``, or else the whole
+demand (every request fits).
 
     python benchmarks/step_profile.py                          # ample: 1,202 blocks
     python benchmarks/step_profile.py --num-device-blocks 199  # 25% of the ample peak use
@@ -36,8 +36,7 @@ def main() -> None:
     p.add_argument("--num-device-blocks", type=int, default=None)
     a = p.parse_args()
     work = bench.workload(a.token_range, a.num_prompts, a.input_len, a.output_len, a.seed)
-    demand = sum(-(-(len(t) + m) // 16) for t, m in work)
-    blocks = a.num_device_blocks or demand
+    blocks = a.num_device_blocks or bench.demand_blocks(work)
     engine = Engine(a.model, num_device_blocks=blocks, max_model_len=max(len(t) + m for t, m in work))
     for i, (tokens, m) in enumerate(work):
         engine.add_request(str(i), tokens, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))

@@ -32,6 +32,11 @@ def workload(
     ]
 
 
+def demand_blocks(work: list[tuple[list[int], int]], block_size: int = 16) -> int:
+    """KV blocks the whole workload asks for: every request's prompt plus all its output."""
+    return sum(-(-(len(p) + m) // block_size) for p, m in work)
+
+
 def run_ferryman(model: str, work: list[tuple[list[int], int]], **engine_kw: Any) -> dict[str, float]:
     from ferryman.engine import Engine
 

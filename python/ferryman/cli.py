@@ -236,7 +236,7 @@ def _bench_throughput(a: argparse.Namespace) -> int:
     from ferryman import bench
 
     work = bench.workload(a.token_range, a.num_prompts, a.input_len, a.output_len, a.seed)
-    demand = sum(-(-(len(p) + m) // 16) for p, m in work)
+    demand = bench.demand_blocks(work)
     kw = {
         "num_host_blocks": a.num_host_blocks,
         "preemption_mode": a.preemption_mode,

@@ -8,22 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
+from tiny_models import dense_causal
 
 from ferryman import Scheduler, SchedulerConfig
 from ferryman.attention import TorchAttentionBackend
 from ferryman.attention.torch_backend import DECODE_GROUP
-
-
-def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention over a whole sequence; q [L, Hq, D], k/v [L, Hkv, D] (GQA)."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    o = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
-    )
-    return o.transpose(0, 1)
-
 
 MANY = {r: (3 + 3 * r, 24) for r in range(13)}  # 13 decode rows at once: two length-sorted groups
 
@@ -71,7 +60,8 @@ def test_chunked_prefill_and_decode_match_dense_causal_attention(lens: dict[int,
             q, k, v = seqs[r][layer]
             # the last sampled token is never computed; compare every computed position
             m = p + n - 1
-            torch.testing.assert_close(got[r][layer][:m], dense(q[:m], k[:m], v[:m]), rtol=1e-5, atol=1e-5)
+            want = dense_causal(q[:m], k[:m], v[:m])
+            torch.testing.assert_close(got[r][layer][:m], want, rtol=1e-5, atol=1e-5)
 
 
 def test_contiguous_runs_group_block_pairs() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import build
+from tiny_models import build, dense_causal
 
 from ferryman import InvalidRequestError
 from ferryman.engine import Engine
@@ -223,12 +223,7 @@ class _DenseCausal:
     """One sequence's plain causal attention, as the oracle attention for a bare model forward."""
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
-        )
-        return o.transpose(0, 1)
+        return dense_causal(q, k, v)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])

@@ -1,5 +1,6 @@
 """Tiny random Llama-family checkpoints written with transformers into a temp folder (no
-downloads). Weights get a wide spread so that greedy choices are not near-ties."""
+downloads). Weights get a wide spread so that greedy choices are not near-ties. Also the dense
+causal attention the paged paths are checked against."""
 
 from __future__ import annotations
 
@@ -11,6 +12,16 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+
+def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention over a whole sequence; q [L, Hq, D], k/v [L, Hkv, D] (GQA)."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
+    )
+    return o.transpose(0, 1)
 
 
 def build(kind: str, root: Path, seed: int = 0, tokenizer: bool = False, **overrides: int) -> Path:

@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ferryman.sampling_params import SamplingParams
 from ferryman.server import protocol as api
 from ferryman.server import responses
-from ferryman.server.async_engine import AsyncEngine, EngineDeadError, Update
+from ferryman.server.async_engine import AsyncEngine, Delta, EngineDeadError, Update
 
 T = TypeVar("T")
 
@@ -54,6 +54,30 @@ async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
         if await request.is_disconnected():
             task.cancel()
             raise ApiError(499, "client disconnected", "client_closed_request")
+
+
+async def _sse_events(
+    streams: list[AsyncIterator[Update]],
+    choice: Callable[[int, Delta], Any],
+    chunk: Callable[[list[Any], api.Usage | None], Any],
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """A streamed response's events: one chunk per update that has deltas (``choice`` maps the
+    prompt index and a delta to a choice), the usage chunk when asked, then ``[DONE]``; an engine
+    that dies mid-stream ends it with an error event."""
+    prompt_tokens: dict[int, int] = {}
+    completion_tokens = 0
+    try:
+        async for i, u in responses.merge(streams):
+            prompt_tokens[i] = u.num_prompt_tokens
+            completion_tokens += sum(len(d.token_ids) for d in u.deltas)
+            if u.deltas:
+                yield responses.sse(chunk([choice(i, d) for d in u.deltas], None))
+        if include_usage:
+            yield responses.sse(chunk([], responses.usage(sum(prompt_tokens.values()), completion_tokens)))
+    except EngineDeadError as e:
+        yield responses.sse(ApiError(503, str(e), "server_error").body)
+    yield "data: [DONE]\n\n"
 
 
 def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
@@ -149,37 +173,17 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
 
-            async def events() -> AsyncIterator[str]:
-                prompt_tokens, completion_tokens = {}, 0
-                try:
-                    async for i, u in responses.merge(streams):
-                        prompt_tokens[i] = u.num_prompt_tokens
-                        choices = []
-                        for d in u.deltas:
-                            completion_tokens += len(d.token_ids)
-                            lp = responses.completion_logprobs(d.token_ids, d.logprobs, token_str, 0)
-                            choices.append(
-                                api.CompletionChoice(
-                                    index=i * n + d.index,
-                                    text=d.text,
-                                    logprobs=lp,
-                                    finish_reason=d.finish_reason,
-                                )
-                            )
-                        if choices:
-                            yield responses.sse(
-                                api.CompletionResponse(id=rid, model=served_model_name, choices=choices)
-                            )
-                    if include_usage:
-                        usage = responses.usage(sum(prompt_tokens.values()), completion_tokens)
-                        yield responses.sse(
-                            api.CompletionResponse(id=rid, model=served_model_name, choices=[], usage=usage)
-                        )
-                except EngineDeadError as e:
-                    yield responses.sse(ApiError(503, str(e), "server_error").body)
-                yield "data: [DONE]\n\n"
+            def choice(i: int, d: Delta) -> api.CompletionChoice:
+                lp = responses.completion_logprobs(d.token_ids, d.logprobs, token_str, 0)
+                return api.CompletionChoice(
+                    index=i * n + d.index, text=d.text, logprobs=lp, finish_reason=d.finish_reason
+                )
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            def chunk(choices: list[Any], usage: api.Usage | None) -> api.CompletionResponse:
+                return api.CompletionResponse(id=rid, model=served_model_name, choices=choices, usage=usage)
+
+            events = _sse_events(streams, choice, chunk, include_usage)
+            return StreamingResponse(events, media_type="text/event-stream")
 
         async def collect() -> api.CompletionResponse:
             acc = await responses.accumulate(streams, n)
@@ -219,44 +223,24 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
 
-            async def events() -> AsyncIterator[str]:
-                started: set[int] = set()
-                prompt_tokens, completion_tokens = 0, 0
-                try:
-                    async for _, u in responses.merge(streams):
-                        prompt_tokens = u.num_prompt_tokens
-                        choices = []
-                        for d in u.deltas:
-                            completion_tokens += len(d.token_ids)
-                            role: Any = None if d.index in started else "assistant"
-                            started.add(d.index)
-                            lp = (
-                                responses.chat_logprobs(d.token_ids, d.logprobs, token_str, top_n)
-                                if want_lp
-                                else None
-                            )
-                            choices.append(
-                                api.ChatChunkChoice(
-                                    index=d.index,
-                                    delta=api.DeltaMessage(role=role, content=d.text),
-                                    logprobs=lp,
-                                    finish_reason=d.finish_reason,
-                                )
-                            )
-                        if choices:
-                            yield responses.sse(
-                                api.ChatCompletionChunk(id=rid, model=served_model_name, choices=choices)
-                            )
-                    if include_usage:
-                        usage = responses.usage(prompt_tokens, completion_tokens)
-                        yield responses.sse(
-                            api.ChatCompletionChunk(id=rid, model=served_model_name, choices=[], usage=usage)
-                        )
-                except EngineDeadError as e:
-                    yield responses.sse(ApiError(503, str(e), "server_error").body)
-                yield "data: [DONE]\n\n"
+            started: set[int] = set()
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            def choice(_: int, d: Delta) -> api.ChatChunkChoice:
+                role: Any = None if d.index in started else "assistant"
+                started.add(d.index)
+                lp = responses.chat_logprobs(d.token_ids, d.logprobs, token_str, top_n) if want_lp else None
+                return api.ChatChunkChoice(
+                    index=d.index,
+                    delta=api.DeltaMessage(role=role, content=d.text),
+                    logprobs=lp,
+                    finish_reason=d.finish_reason,
+                )
+
+            def chunk(choices: list[Any], usage: api.Usage | None) -> api.ChatCompletionChunk:
+                return api.ChatCompletionChunk(id=rid, model=served_model_name, choices=choices, usage=usage)
+
+            events = _sse_events(streams, choice, chunk, include_usage)
+            return StreamingResponse(events, media_type="text/event-stream")
 
         async def collect() -> api.ChatCompletionResponse:
             acc = await responses.accumulate(streams, params.n)

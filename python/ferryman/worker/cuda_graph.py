@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ferryman.attention.flashinfer_backend import write_and_attend
 from ferryman.models.llama import LlamaForCausalLM
 from ferryman.worker.kv_cache import KvCache
 
@@ -97,8 +98,6 @@ class _GraphAttention:
         self.blk, self.off = slots // block_size, slots % block_size  # captured as kernels
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        from ferryman.attention.flashinfer_backend import write_and_attend
-
         return write_and_attend(self.kv.layer(layer_idx), self.blk, self.off, self.wrapper, q, k, v)
 
 
@@ -188,4 +187,3 @@ class _EmptyStep:
     input_ids = positions = slot_mapping = np.zeros(0, dtype=np.int64)
     kv_indptr = np.zeros(1, dtype=np.int32)
     kv_indices = kv_last_page_len = np.zeros(0, dtype=np.int32)
-    num_scheduled_tokens = 0

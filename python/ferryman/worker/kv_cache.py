@@ -61,6 +61,7 @@ class KvCache:
     ) -> None:
         block = (num_layers, 2, block_size, num_kv_heads, head_dim)
         self.num_layers = num_layers
+        self.block_size = block_size
         self.device_kv = torch.zeros((num_device_blocks + 1, *block), dtype=dtype, device=device)
         self._cuda = device.type == "cuda"
         # host blocks are always written (swap-out) before they are read, so their memory is
@@ -105,36 +106,33 @@ class KvCache:
             if len(swap_out) or len(swap_in):
                 self._copy_stream.wait_stream(compute)
                 with torch.cuda.stream(self._copy_stream):
-                    self._swap(swap_out, np.zeros((0, 2), np.int32))
+                    self._copy_runs(swap_out, self.device_kv, self.host_kv)
                     out_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
                     out_done.record(self._copy_stream)
-                    self._swap(np.zeros((0, 2), np.int32), swap_in)
+                    self._copy_runs(swap_in, self.host_kv, self.device_kv)
                     in_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
                     in_done.record(self._copy_stream)
-                block_size = int(self.device_kv.shape[3])
                 if len(swap_in):
                     compute.wait_event(in_done)  # the copy stream runs in order: out, then in
-                elif swap_out_blocks_rewritten(swap_out, slot_mapping, copy, block_size):
+                elif swap_out_blocks_rewritten(swap_out, slot_mapping, copy, self.block_size):
                     compute.wait_event(out_done)
                 else:
                     self._pending_swap_out = out_done
-        elif len(swap_out) or len(swap_in):
-            self._swap(swap_out, swap_in)
+        else:
+            self._copy_runs(swap_out, self.device_kv, self.host_kv)
+            self._copy_runs(swap_in, self.host_kv, self.device_kv)
         if len(copy):
             idx = torch.from_numpy(copy).to(self.device_kv.device, torch.long)
             self.device_kv[idx[:, 1]] = self.device_kv[idx[:, 0]]
 
-    def _swap(self, swap_out: np.ndarray, swap_in: np.ndarray) -> None:
-        """Each plan's runs in one multi-tensor copy call (the per-run dispatch happens in C++, not
-        in a Python loop); swap-out before swap-in, since a block one frees the other may take."""
-        for plan, src, dst in (
-            (swap_out, self.device_kv, self.host_kv),
-            (swap_in, self.host_kv, self.device_kv),
-        ):
-            runs = contiguous_runs(plan).tolist()
-            if runs:
-                torch._foreach_copy_(
-                    [dst[d : d + n] for _, d, n in runs],
-                    [src[s : s + n] for s, _, n in runs],
-                    non_blocking=self._cuda,  # the host side is pinned there
-                )
+    def _copy_runs(self, plan: np.ndarray, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """One plan's runs in one multi-tensor copy call (the per-run dispatch happens in C++, not
+        in a Python loop); callers run swap-out before swap-in, since a block one frees the other
+        may take."""
+        runs = contiguous_runs(plan).tolist()
+        if runs:
+            torch._foreach_copy_(
+                [dst[d : d + n] for _, d, n in runs],
+                [src[s : s + n] for s, _, n in runs],
+                non_blocking=self._cuda,  # the host side is pinned there
+            )

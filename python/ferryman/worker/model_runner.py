@@ -35,7 +35,7 @@ class ModelRunner:
         ``ferryman[gpu]``), or "auto" (FlashInfer when both are there, else torch)."""
         self.model = model
         self.kv = kv
-        self.packed_weights = model.pack_cpu_weights()  # CPU float32 only
+        model.pack_cpu_weights()  # CPU float32 only; a no-op elsewhere
         self.device = device
         cfg = model.cfg
         scale = cfg.head_dim**-0.5

@@ -174,6 +174,31 @@ def test_graph_padding_keeps_the_step_and_pads_on_the_null_block() -> None:
     s.update(np.ones(len(out.logits_indices), dtype=np.int32))
 
 
+def test_graph_attention_writes_kv_where_the_static_slots_say_at_each_call() -> None:
+    """A captured graph replays with new contents in the same slot buffer, so (block, offset)
+    must come from the buffer inside the forward (the H200 check found them frozen at capture).
+    The wrapper here only hands back q: what is checked is the K/V write that precedes it."""
+    from ferryman.worker.cuda_graph import _GraphAttention
+    from ferryman.worker.kv_cache import KvCache
+
+    class Identity:
+        def run(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+            return q
+
+    kv = KvCache(2, 4, 0, 4, 1, 2, torch.float32, torch.device("cpu"))
+    slots = torch.tensor([5], dtype=torch.long)  # block 1, offset 1
+    attn = _GraphAttention(kv, Identity(), slots, 4)
+    q = torch.zeros(1, 1, 2)
+    for slot, value in ((5, 1.0), (14, 2.0)):  # then block 3, offset 2
+        slots.copy_(torch.tensor([slot]))
+        k, v = torch.full((1, 1, 2), value), torch.full((1, 1, 2), -value)
+        for layer in range(2):
+            attn.forward(layer, q, k, v)
+            assert torch.equal(kv.layer(layer)[slot // 4, 0, slot % 4], k[0])
+            assert torch.equal(kv.layer(layer)[slot // 4, 1, slot % 4], v[0])
+    assert kv.layer(0)[1, 0, 1, 0, 0] == 1.0  # the first write stayed where it went
+
+
 def test_cpu_runner_picks_torch_and_flashinfer_needs_a_gpu(tmp_path: Path) -> None:
     import sys
 

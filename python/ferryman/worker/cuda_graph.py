@@ -15,8 +15,8 @@ replay is preceded by that size's ``plan()`` with the step's page table (host-si
 are already on the device, so planning does not wait for the GPU); the host -> device copies of a
 step go through freshly pinned tensors, so a copy still in flight never has its source rewritten.
 
-GPU verification is pending (see docs/gpu.md): ``capture_sizes``, ``graph_size`` and
-``pad_decode`` are pure and tested on CPU; the capture and replay run only on CUDA.
+``capture_sizes``, ``graph_size`` and ``pad_decode`` are pure and tested on CPU; capture and
+replay run only on CUDA and are checked against eager in ``tests/gpu`` (passed on an H200).
 """
 
 from __future__ import annotations
@@ -94,10 +94,16 @@ class _GraphAttention:
     size's CUDA-graph decode wrapper."""
 
     def __init__(self, kv: KvCache, wrapper: Any, slots: torch.Tensor, block_size: int) -> None:
-        self.kv, self.wrapper = kv, wrapper
-        self.blk, self.off = slots // block_size, slots % block_size  # captured as kernels
+        self.kv, self.wrapper, self.slots, self.bs = kv, wrapper, slots, block_size
+        self.blk = self.off = slots
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if layer_idx == 0:
+            # (block, offset) from the static slot buffer INSIDE the forward, so the capture
+            # records these kernels and each replay reads that step's slots. (Computed once at
+            # construction they were frozen at the capture's dummy slots: every replay wrote its
+            # K/V into the null block. The H200 check caught it; test_cuda_graph_logits_match_eager.)
+            self.blk, self.off = self.slots // self.bs, self.slots % self.bs
         return write_and_attend(self.kv.layer(layer_idx), self.blk, self.off, self.wrapper, q, k, v)
 
 

@@ -71,6 +71,30 @@ def test_a_missing_model_names_the_path() -> None:
         load_model("/no/such/model", torch.float32, torch.device("cpu"))
 
 
+def test_fused_projections_load_from_separate_checkpoint_tensors_and_name_missing_ones(
+    tmp_path: Path,
+) -> None:
+    """q/k/v (with Qwen2's biases) and gate/up run stacked; a checkpoint without one of them is
+    refused with that tensor's own name."""
+    from safetensors.torch import load_file
+    from tiny_models import build
+
+    from ferryman.model_loader import load_model
+    from ferryman.models.llama import LlamaForCausalLM
+
+    path = build("qwen2", tmp_path)
+    model, _ = load_model(str(path), torch.float32, torch.device("cpu"))
+    tensors = load_file(str(path / "model.safetensors"))
+    layer = model.layers[1]
+    q, k, v = (tensors[f"model.layers.1.self_attn.{n}_proj.bias"] for n in "qkv")
+    assert torch.equal(layer.qkv_proj.bias, torch.cat([q, k, v]))
+    up = tensors["model.layers.1.mlp.up_proj.weight"]
+    assert torch.equal(layer.gate_up_proj.weight[up.shape[0] :], up)
+    del tensors["model.layers.1.self_attn.v_proj.weight"]
+    with pytest.raises(ValueError, match=r"layers\.1\.v_proj\.weight"):
+        LlamaForCausalLM.from_tensors(model.cfg, tensors, torch.float32, torch.device("cpu"))
+
+
 def test_every_quantization_type_reads_back_in_its_logical_shape(tmp_path: Path) -> None:
     """F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 quantized by gguf-py from known weights, and the
     K-quants (Q4_K, Q6_K; gguf-py cannot quantize them) as raw blocks: each reads back as gguf's

@@ -163,6 +163,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-b, a), dim=-1)
 
 
+# Projections that read the same input run as one GEMM over their stacked weights (fewer,
+# larger matrix products: on CPU 5-7% less time in the projections at 1-40 rows, one run of a
+# microbenchmark; on a GPU three GEMVs fewer per layer). Checkpoints keep the separate names.
+FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _is_fused(key: str) -> bool:
+    return key.split(".")[-2] in FUSED_PROJECTIONS
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, idx: int) -> None:
         super().__init__()
@@ -171,22 +181,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         b = cfg.attention_bias
-        self.q_proj = Linear(h, self.nq * d, bias=b)
-        self.k_proj = Linear(h, self.nkv * d, bias=b)
-        self.v_proj = Linear(h, self.nkv * d, bias=b)
+        self.qkv_proj = Linear(h, (self.nq + 2 * self.nkv) * d, bias=b)  # q, k, v stacked by rows
         self.o_proj = Linear(self.nq * d, h, bias=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.gate_proj = Linear(h, cfg.intermediate_size, bias=False)
-        self.up_proj = Linear(h, cfg.intermediate_size, bias=False)
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = Linear(h, 2 * self.inter, bias=False)  # gate, then up
         self.down_proj = Linear(cfg.intermediate_size, h, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Attention) -> torch.Tensor:
         t = x.shape[0]
         h = self.input_layernorm(x)
-        q = self.q_proj(h).view(t, self.nq, self.d)
-        k = self.k_proj(h).view(t, self.nkv, self.d)
-        v = self.v_proj(h).view(t, self.nkv, self.d)
+        q, k, v = self.qkv_proj(h).split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
+        q, k, v = q.view(t, self.nq, self.d), k.view(t, self.nkv, self.d), v.view(t, self.nkv, self.d)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
@@ -194,7 +201,8 @@ class DecoderLayer(nn.Module):
         o = attn.forward(self.idx, q, k, v)
         x = x + self.o_proj(o.reshape(t, self.nq * self.d))
         h = self.post_attention_layernorm(x)
-        out: torch.Tensor = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        gate, up = self.gate_up_proj(h).split(self.inter, dim=-1)
+        out: torch.Tensor = x + self.down_proj(F.silu(gate) * up)
         return out
 
 
@@ -272,9 +280,20 @@ class LlamaForCausalLM(nn.Module):
             key = name.removeprefix("model.").replace("self_attn.", "").replace("mlp.", "")
             if key == "lm_head.weight" and self.lm_head is None:
                 continue
-            if key in own:
-                mapped[key] = t
-        missing = sorted(set(own) - set(mapped))
+            mapped[key] = t
+        missing: list[str] = []
+        for i in range(len(self.layers)):
+            for fused, parts in FUSED_PROJECTIONS.items():
+                for kind in ("weight", "bias"):
+                    names = [f"layers.{i}.{part}.{kind}" for part in parts]
+                    if f"layers.{i}.{fused}.{kind}" not in own:
+                        continue
+                    lacking = [n for n in names if n not in mapped]
+                    missing += lacking
+                    if not lacking:
+                        mapped[f"layers.{i}.{fused}.{kind}"] = torch.cat([mapped.pop(n) for n in names])
+        mapped = {k: t for k, t in mapped.items() if k in own}
+        missing = sorted(set(missing) | (set(own) - set(mapped) - {k for k in own if _is_fused(k)}))
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
         for key, t in mapped.items():

@@ -123,9 +123,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--pool-fraction", type=float, default=None, help="a second run's pool, see --pool-basis")
     t.add_argument(
         "--pool-basis",
-        default="peak",
-        choices=["peak", "demand"],
-        help="--pool-fraction of the ample run's peak use (stricter) or of the total demand (the ample pool)",
+        default="demand",
+        choices=["demand", "peak"],
+        help="--pool-fraction of the total demand (every request's prompt + output, i.e. the ample pool; "
+        "the Engine issue's measure) or of the ample run's peak use (stricter)",
     )
     t.add_argument("--num-host-blocks", type=int, default=None)
     t.add_argument("--preemption-mode", default="auto", choices=["recompute", "swap", "auto"])

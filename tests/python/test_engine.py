@@ -134,16 +134,13 @@ def test_bench_throughput_smoke(models: dict[str, Path], capsys: pytest.CaptureF
     assert ours["output_tokens"] == hf["output_tokens"] == report["ferryman_ample"]["output_tokens"]
     assert ours["num_device_blocks"] < report["ferryman_ample"]["num_device_blocks"]
     assert report["ratio_vs_transformers"] > 0 and report["ratio_vs_ample"] > 0
-    assert report["pool_basis"] == "peak"
-    assert main([*args, "--json", "--no-hf", "--pool-basis", "demand"]) == 0
-    report = json.loads(capsys.readouterr().out)
     demand = report["ferryman_ample"]["num_device_blocks"]  # the ample pool is the whole demand
-    assert report["pool_basis"] == "demand" and "transformers" not in report
-    assert (
-        report["ferryman"]["num_device_blocks"]
-        >= demand // 2
-        >= report["ferryman_ample"]["peak_blocks_used"] // 2
-    )
+    assert report["pool_basis"] == "demand" and ours["num_device_blocks"] >= demand // 2
+    assert main([*args, "--json", "--no-hf", "--pool-basis", "peak"]) == 0
+    strict = json.loads(capsys.readouterr().out)
+    assert strict["pool_basis"] == "peak" and "transformers" not in strict
+    peak = strict["ferryman_ample"]["peak_blocks_used"]
+    assert peak // 2 <= strict["ferryman"]["num_device_blocks"] <= ours["num_device_blocks"]
 
 
 def test_start_up_calibration_feeds_the_cost_model(models: dict[str, Path]) -> None:

@@ -163,9 +163,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-b, a), dim=-1)
 
 
-# Projections that read the same input run as one GEMM over their stacked weights (fewer,
-# larger matrix products: on CPU 5-7% less time in the projections at 1-40 rows, one run of a
-# microbenchmark; on a GPU three GEMVs fewer per layer). Checkpoints keep the separate names.
+# Projections that read the same input run as one GEMM over their stacked weights: three GEMVs
+# fewer per layer on a GPU (not yet measured there). On CPU it is neutral end to end (5-7% less
+# projection time in a microbenchmark, within noise in a whole decode step; README). Checkpoints
+# keep the separate names; the loader stacks them.
 FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 

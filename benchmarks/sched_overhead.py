@@ -5,12 +5,16 @@ Replays a workload trace through ``ferryman._core.Scheduler``. The trace is a JS
 ``splitmix64((seed << 48) | (r << 24) | p) % 151936``. Before step s, every request with
 ``arrival_step <= s`` is added; the fake model emits, for every sample, the token of position
 ``len(request)``. Only ``schedule()`` and ``update()`` are timed (binding crossing included:
-numpy arrays out, the sampled int32 array in). Prints one JSON line; ``core_ns_per_output_token``
-is the part spent inside Rust (the core's own clock), the rest is the binding crossing.
+numpy arrays out, the sampled int32 array in). The output arrays are wrapped for Python when
+first read: by default the fake model reads only what it needs (``sample_req_ids``, the result's
+``req_ids``); ``--read-all`` reads every array inside the timed window, as a model runner would.
+Prints one JSON line; ``core_ns_per_output_token`` is the part spent inside Rust (the core's own
+clock), the rest is the binding crossing.
 
     python benchmarks/sched_overhead.py --generate 1024 --out trace.json      # write a trace
     python benchmarks/sched_overhead.py --trace trace.json                    # ample pool
     python benchmarks/sched_overhead.py --trace trace.json --pool-fraction 0.25
+    python benchmarks/sched_overhead.py --trace trace.json --read-all          # what a runner pays
 """
 
 from __future__ import annotations
@@ -65,7 +69,32 @@ def generate(n: int, seed: int, per_step: int) -> list[dict[str, int]]:
     ]
 
 
-def replay(trace: list[dict[str, int]], cfg: SchedulerConfig, seed: int) -> dict[str, Any]:
+# every array of SchedulerOutput: what a model runner reads, give or take a few
+OUTPUT_ARRAYS = [
+    "req_ids",
+    "seq_indices",
+    "input_ids",
+    "positions",
+    "qo_indptr",
+    "seq_lens",
+    "kv_indptr",
+    "kv_indices",
+    "kv_last_page_len",
+    "slot_mapping",
+    "logits_indices",
+    "sample_req_ids",
+    "sample_seq_indices",
+    "blocks_to_swap_out",
+    "blocks_to_swap_in",
+    "blocks_to_copy",
+    "preempted_req_ids",
+    "finished_req_ids",
+]
+
+
+def replay(
+    trace: list[dict[str, int]], cfg: SchedulerConfig, seed: int, read_all: bool = False
+) -> dict[str, Any]:
     s = Scheduler(cfg)
     trace = sorted(trace, key=lambda r: (r["arrival_step"], r["id"]))
     lens = np.zeros(max(r["id"] for r in trace) + 1, dtype=np.uint64)
@@ -84,11 +113,16 @@ def replay(trace: list[dict[str, int]], cfg: SchedulerConfig, seed: int) -> dict
             nxt += 1
         t0 = time.perf_counter_ns()
         out = s.schedule()
+        if read_all:
+            for name in OUTPUT_ARRAYS:
+                getattr(out, name)
         t1 = time.perf_counter_ns()
         ids = out.sample_req_ids.astype(np.uint64)
         sampled = tokens(seed, ids, lens[ids])
         t2 = time.perf_counter_ns()
         res = s.update(sampled)
+        if read_all:
+            res.new_token_ids, res.seq_indices, res.finish_reasons  # noqa: B018
         t3 = time.perf_counter_ns()
         lens[res.req_ids] += np.uint64(1)
         step_ns.append((t1 - t0) + (t3 - t2))
@@ -139,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--num-host-blocks", type=int, default=0)
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"])
+    p.add_argument(
+        "--read-all",
+        action="store_true",
+        help="read every output array inside the timed window, as a model runner would (arrays are "
+        "wrapped for Python on first read)",
+    )
     a = p.parse_args(argv)
     if a.generate:
         trace = generate(a.generate, a.seed, a.arrivals_per_step)
@@ -168,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.pool_fraction:
         peak = replay(trace, config(sum(need)), a.seed)["peak_blocks_used"]
         blocks = max(int(peak * a.pool_fraction), max(need))
-    print(json.dumps(replay(trace, config(blocks), a.seed)))
+    print(json.dumps(replay(trace, config(blocks), a.seed, a.read_all) | {"read_all": a.read_all}))
     return 0
 
 

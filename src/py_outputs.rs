@@ -1,50 +1,96 @@
-//! `SchedulerOutput` and `StepOutputs` for Python: each `Vec` of the core's outputs becomes a
-//! numpy array that takes ownership of the buffer (no copy); pair lists become [k, 2] arrays.
+//! `SchedulerOutput` and `StepOutputs` for Python. Each `Vec` of the core's outputs becomes a
+//! numpy array that takes ownership of the buffer (no copy) when Python first reads it, and the
+//! same array object on every later read; pair lists become [k, 2] arrays. Wrapping is what costs
+//! here (about half a microsecond per array, ~20 arrays a step), so a caller pays only for the
+//! arrays it reads: the forward reads ten or so, a fake model or a CPU-side consumer fewer.
 
-use ferryman_core::{SchedulerOutput, StepOutputs};
-use numpy::{PyArray1, PyArray2, PyArrayMethods};
+use ferryman_core::{FinishReason, SchedulerOutput, StepOutputs};
+use numpy::{Element, PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
+/// A core `Vec` until Python first reads it, then the numpy array that owns its buffer.
+enum Lazy<T: Element> {
+    Rust(Vec<T>),
+    Numpy(Py<PyArray1<T>>),
+}
+
+impl<T: Element> Lazy<T> {
+    fn get(&mut self, py: Python<'_>) -> Py<PyArray1<T>> {
+        if let Lazy::Rust(v) = self {
+            *self = Lazy::Numpy(PyArray1::from_vec(py, std::mem::take(v)).unbind());
+        }
+        match self {
+            Lazy::Numpy(a) => a.clone_ref(py),
+            Lazy::Rust(_) => unreachable!("converted above"),
+        }
+    }
+}
+
+/// (src, dst) block pairs until first read, then their [k, 2] int32 array.
+enum LazyPairs {
+    Rust(Vec<[i32; 2]>),
+    Numpy(Py<PyArray2<i32>>),
+}
+
+impl LazyPairs {
+    fn get(&mut self, py: Python<'_>) -> PyResult<Py<PyArray2<i32>>> {
+        if let LazyPairs::Rust(v) = self {
+            let v = std::mem::take(v);
+            let n = v.len();
+            *self = LazyPairs::Numpy(PyArray1::from_vec(py, v.into_flattened()).reshape([n, 2])?.unbind());
+        }
+        match self {
+            LazyPairs::Numpy(a) => Ok(a.clone_ref(py)),
+            LazyPairs::Rust(_) => unreachable!("converted above"),
+        }
+    }
+}
+
+/// One `#[pymethods]` block (pyo3 allows one per class): a getter per `Lazy` / `LazyPairs` field,
+/// then the class's other methods.
+macro_rules! pymethods_with_array_getters {
+    ($cls:ident; arrays: $($a:ident: $t:ty),*; pairs: $($p:ident),*; $($rest:tt)*) => {
+        #[pymethods]
+        impl $cls {
+            $(
+                #[getter]
+                fn $a(&mut self, py: Python<'_>) -> Py<PyArray1<$t>> {
+                    self.$a.get(py)
+                }
+            )*
+            $(
+                #[getter]
+                fn $p(&mut self, py: Python<'_>) -> PyResult<Py<PyArray2<i32>>> {
+                    self.$p.get(py)
+                }
+            )*
+            $($rest)*
+        }
+    };
+}
+
 /// The plan of one step; every array is C-contiguous. See `_core.pyi` for shapes and dtypes.
-#[pyclass(name = "SchedulerOutput", module = "ferryman._core", frozen)]
+#[pyclass(name = "SchedulerOutput", module = "ferryman._core")]
 pub struct PySchedulerOutput {
-    #[pyo3(get)]
-    req_ids: Py<PyArray1<i64>>,
-    #[pyo3(get)]
-    seq_indices: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    input_ids: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    positions: Py<PyArray1<i64>>,
-    #[pyo3(get)]
-    qo_indptr: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    seq_lens: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    kv_indptr: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    kv_indices: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    kv_last_page_len: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    slot_mapping: Py<PyArray1<i64>>,
-    #[pyo3(get)]
-    logits_indices: Py<PyArray1<i64>>,
-    #[pyo3(get)]
-    sample_req_ids: Py<PyArray1<i64>>,
-    #[pyo3(get)]
-    sample_seq_indices: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    blocks_to_swap_out: Py<PyArray2<i32>>,
-    #[pyo3(get)]
-    blocks_to_swap_in: Py<PyArray2<i32>>,
-    #[pyo3(get)]
-    blocks_to_copy: Py<PyArray2<i32>>,
-    #[pyo3(get)]
-    preempted_req_ids: Py<PyArray1<i64>>,
-    #[pyo3(get)]
-    finished_req_ids: Py<PyArray1<i64>>,
+    req_ids: Lazy<i64>,
+    seq_indices: Lazy<i32>,
+    input_ids: Lazy<i32>,
+    positions: Lazy<i64>,
+    qo_indptr: Lazy<i32>,
+    seq_lens: Lazy<i32>,
+    kv_indptr: Lazy<i32>,
+    kv_indices: Lazy<i32>,
+    kv_last_page_len: Lazy<i32>,
+    slot_mapping: Lazy<i64>,
+    logits_indices: Lazy<i64>,
+    sample_req_ids: Lazy<i64>,
+    sample_seq_indices: Lazy<i32>,
+    blocks_to_swap_out: LazyPairs,
+    blocks_to_swap_in: LazyPairs,
+    blocks_to_copy: LazyPairs,
+    preempted_req_ids: Lazy<i64>,
+    finished_req_ids: Lazy<i64>,
     #[pyo3(get)]
     step: u64,
     #[pyo3(get)]
@@ -69,37 +115,28 @@ pub struct PySchedulerOutput {
     schedule_ns: u64,
 }
 
-fn arr<T: numpy::Element>(py: Python<'_>, v: Vec<T>) -> Py<PyArray1<T>> {
-    PyArray1::from_vec(py, v).unbind()
-}
-
-fn pairs(py: Python<'_>, v: Vec<[i32; 2]>) -> PyResult<Py<PyArray2<i32>>> {
-    let n = v.len();
-    Ok(PyArray1::from_vec(py, v.into_flattened()).reshape([n, 2])?.unbind())
-}
-
 impl PySchedulerOutput {
-    pub fn new(py: Python<'_>, o: SchedulerOutput) -> PyResult<Self> {
+    pub fn new(o: SchedulerOutput) -> Self {
         let s = o.stats;
-        Ok(Self {
-            req_ids: arr(py, o.req_ids),
-            seq_indices: arr(py, o.seq_indices),
-            input_ids: arr(py, o.input_ids),
-            positions: arr(py, o.positions),
-            qo_indptr: arr(py, o.qo_indptr),
-            seq_lens: arr(py, o.seq_lens),
-            kv_indptr: arr(py, o.kv_indptr),
-            kv_indices: arr(py, o.kv_indices),
-            kv_last_page_len: arr(py, o.kv_last_page_len),
-            slot_mapping: arr(py, o.slot_mapping),
-            logits_indices: arr(py, o.logits_indices),
-            sample_req_ids: arr(py, o.sample_req_ids),
-            sample_seq_indices: arr(py, o.sample_seq_indices),
-            blocks_to_swap_out: pairs(py, o.blocks_to_swap_out)?,
-            blocks_to_swap_in: pairs(py, o.blocks_to_swap_in)?,
-            blocks_to_copy: pairs(py, o.blocks_to_copy)?,
-            preempted_req_ids: arr(py, o.preempted_req_ids),
-            finished_req_ids: arr(py, o.finished_req_ids),
+        Self {
+            req_ids: Lazy::Rust(o.req_ids),
+            seq_indices: Lazy::Rust(o.seq_indices),
+            input_ids: Lazy::Rust(o.input_ids),
+            positions: Lazy::Rust(o.positions),
+            qo_indptr: Lazy::Rust(o.qo_indptr),
+            seq_lens: Lazy::Rust(o.seq_lens),
+            kv_indptr: Lazy::Rust(o.kv_indptr),
+            kv_indices: Lazy::Rust(o.kv_indices),
+            kv_last_page_len: Lazy::Rust(o.kv_last_page_len),
+            slot_mapping: Lazy::Rust(o.slot_mapping),
+            logits_indices: Lazy::Rust(o.logits_indices),
+            sample_req_ids: Lazy::Rust(o.sample_req_ids),
+            sample_seq_indices: Lazy::Rust(o.sample_seq_indices),
+            blocks_to_swap_out: LazyPairs::Rust(o.blocks_to_swap_out),
+            blocks_to_swap_in: LazyPairs::Rust(o.blocks_to_swap_in),
+            blocks_to_copy: LazyPairs::Rust(o.blocks_to_copy),
+            preempted_req_ids: Lazy::Rust(o.preempted_req_ids),
+            finished_req_ids: Lazy::Rust(o.finished_req_ids),
             step: s.step,
             num_scheduled_tokens: s.num_scheduled_tokens,
             num_prefill_tokens: s.num_prefill_tokens,
@@ -111,12 +148,15 @@ impl PySchedulerOutput {
             num_swapped: s.num_swapped,
             num_preemptions: s.num_preemptions,
             schedule_ns: s.schedule_ns,
-        })
+        }
     }
 }
 
-#[pymethods]
-impl PySchedulerOutput {
+pymethods_with_array_getters!(PySchedulerOutput;
+    arrays: req_ids: i64, seq_indices: i32, input_ids: i32, positions: i64, qo_indptr: i32, seq_lens: i32,
+        kv_indptr: i32, kv_indices: i32, kv_last_page_len: i32, slot_mapping: i64, logits_indices: i64,
+        sample_req_ids: i64, sample_seq_indices: i32, preempted_req_ids: i64, finished_req_ids: i64;
+    pairs: blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy;
     fn __repr__(&self) -> String {
         format!(
             "SchedulerOutput(step={}, num_scheduled_tokens={}, num_running={}, num_waiting={}, num_swapped={}, \
@@ -129,39 +169,51 @@ impl PySchedulerOutput {
             self.num_preemptions
         )
     }
-}
+);
 
 /// The result of `update()`: one entry per sample, in `logits_indices` order.
-#[pyclass(name = "StepOutputs", module = "ferryman._core", frozen)]
+#[pyclass(name = "StepOutputs", module = "ferryman._core")]
 pub struct PyStepOutputs {
-    #[pyo3(get)]
-    req_ids: Py<PyArray1<i64>>,
-    #[pyo3(get)]
-    seq_indices: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    new_token_ids: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    finish_reasons: Py<PyList>,
+    req_ids: Lazy<i64>,
+    seq_indices: Lazy<i32>,
+    new_token_ids: Lazy<i32>,
+    finish_reasons: LazyReasons,
     len: usize,
 }
 
+/// The finish reason of each sample until first read, then its Python list (None or a str).
+enum LazyReasons {
+    Rust(Vec<Option<FinishReason>>),
+    List(Py<PyList>),
+}
+
 impl PyStepOutputs {
-    pub fn new(py: Python<'_>, o: StepOutputs) -> PyResult<Self> {
-        let n = o.new_token_ids.len();
-        let reasons = PyList::new(py, o.finish_reasons.iter().map(|r| r.map(|r| r.as_str())))?;
-        Ok(Self {
-            req_ids: arr(py, o.req_ids),
-            seq_indices: arr(py, o.seq_indices),
-            new_token_ids: arr(py, o.new_token_ids),
-            finish_reasons: reasons.unbind(),
-            len: n,
-        })
+    pub fn new(o: StepOutputs) -> Self {
+        Self {
+            len: o.new_token_ids.len(),
+            req_ids: Lazy::Rust(o.req_ids),
+            seq_indices: Lazy::Rust(o.seq_indices),
+            new_token_ids: Lazy::Rust(o.new_token_ids),
+            finish_reasons: LazyReasons::Rust(o.finish_reasons),
+        }
     }
 }
 
-#[pymethods]
-impl PyStepOutputs {
+pymethods_with_array_getters!(PyStepOutputs;
+    arrays: req_ids: i64, seq_indices: i32, new_token_ids: i32;
+    pairs: ;
+    #[getter]
+    fn finish_reasons(&mut self, py: Python<'_>) -> PyResult<Py<PyList>> {
+        if let LazyReasons::Rust(v) = &self.finish_reasons {
+            let list = PyList::new(py, v.iter().map(|r| r.map(|r| r.as_str())))?;
+            self.finish_reasons = LazyReasons::List(list.unbind());
+        }
+        match &self.finish_reasons {
+            LazyReasons::List(l) => Ok(l.clone_ref(py)),
+            LazyReasons::Rust(_) => unreachable!("converted above"),
+        }
+    }
     fn __len__(&self) -> usize {
         self.len
     }
-}
+);

@@ -79,20 +79,16 @@ impl PyScheduler {
     }
 
     /// Plans one step.
-    fn schedule(&mut self, py: Python<'_>) -> PyResult<PySchedulerOutput> {
+    fn schedule(&mut self) -> PyResult<PySchedulerOutput> {
         let out = self.inner.schedule().map_err(to_pyerr)?;
-        PySchedulerOutput::new(py, out)
+        Ok(PySchedulerOutput::new(out))
     }
 
     /// Applies one sampled token per entry of the last `logits_indices`.
-    fn update(
-        &mut self,
-        py: Python<'_>,
-        sampled_token_ids: PyArrayLike1<'_, i32, AllowTypeChange>,
-    ) -> PyResult<PyStepOutputs> {
+    fn update(&mut self, sampled_token_ids: PyArrayLike1<'_, i32, AllowTypeChange>) -> PyResult<PyStepOutputs> {
         let tokens = sampled_token_ids.as_slice()?;
         let res = self.inner.update(tokens).map_err(to_pyerr)?;
-        PyStepOutputs::new(py, res)
+        Ok(PyStepOutputs::new(res))
     }
 
     /// Aborts a request (all its sequences); False if it is not live.

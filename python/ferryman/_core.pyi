@@ -86,7 +86,8 @@ class SchedulerConfig:
 @final
 class SchedulerOutput:
     """The plan of one step. Run the plans in the order swap-out, swap-in, copy, then the
-    forward; sample rows ``logits_indices``; pass the tokens to ``update()``."""
+    forward; sample rows ``logits_indices``; pass the tokens to ``update()``. Each array becomes a
+    numpy array (owning the core's buffer, no copy) when first read, and the same object after."""
 
     @property
     def req_ids(self) -> npt.NDArray[np.int64]:

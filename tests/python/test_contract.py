@@ -89,6 +89,23 @@ def test_every_output_array_has_its_dtype_and_shape() -> None:
     s.update([1, 2, 3])  # a list is accepted too
 
 
+def test_output_arrays_are_wrapped_once_and_outlive_their_output() -> None:
+    """Arrays become numpy objects when first read: a second read gives the same object, and an
+    array read before its output (or result) is dropped keeps its data."""
+    s = Scheduler(SchedulerConfig(block_size=4, num_device_blocks=16, max_model_len=64))
+    s.add_request(7, list(range(1, 11)), 3)
+    out = s.schedule()
+    arrays = {name: getattr(out, name) for name in [*INT32_FIELDS, *INT64_FIELDS, *PAIR_FIELDS]}
+    assert all(getattr(out, name) is a for name, a in arrays.items())
+    del out
+    assert arrays["kv_indices"].tolist() == [1, 2, 3] and arrays["positions"].tolist() == list(range(10))
+    res = s.update(np.array([42], dtype=np.int32))
+    tokens, reasons = res.new_token_ids, res.finish_reasons
+    assert res.new_token_ids is tokens and res.finish_reasons is reasons
+    del res
+    assert tokens.tolist() == [42] and reasons == [None]
+
+
 def test_update_takes_other_integer_dtypes() -> None:
     s = make()
     s.add_request(1, [1, 2], 1)

@@ -8,6 +8,11 @@ demand (every request fits).
 
     python benchmarks/step_profile.py                          # ample: 1,202 blocks
     python benchmarks/step_profile.py --num-device-blocks 199  # 25% of the ample peak use
+    python benchmarks/step_profile.py --fixed-batches 1,12,48  # decode step time vs batch size
+
+``--fixed-batches`` instead runs, for each B, B requests of ``--context`` random prompt tokens
+decoding 12 tokens each, and prints the median decode step at that batch: the fixed cost per step
+and the cost per row, which decide how throughput follows the number of requests that fit.
 """
 
 from __future__ import annotations
@@ -34,7 +39,12 @@ def main() -> None:
     p.add_argument("--token-range", default="100:1000")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-device-blocks", type=int, default=None)
+    p.add_argument("--fixed-batches", default=None, help="comma-separated batch sizes (see above)")
+    p.add_argument("--context", type=int, default=300)
     a = p.parse_args()
+    if a.fixed_batches:
+        fixed_batches(a.model, [int(b) for b in a.fixed_batches.split(",")], a.context, a.seed)
+        return
     work = bench.workload(a.token_range, a.num_prompts, a.input_len, a.output_len, a.seed)
     blocks = a.num_device_blocks or bench.demand_blocks(work)
     engine = Engine(a.model, num_device_blocks=blocks, max_model_len=max(len(t) + m for t, m in work))
@@ -80,6 +90,35 @@ def main() -> None:
                     }
                 )
             )
+
+
+def fixed_batches(model: str, batches: list[int], context: int, seed: int) -> None:
+    steps = 12
+    need = max(batches) * (-(-(context + steps) // 16))
+    engine = Engine(model, num_device_blocks=need + 8, calibrate=False)
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    for b in batches:
+        for i in range(b):
+            engine.add_request(f"{b}-{i}", rng.integers(100, 1000, context).tolist(), params)
+        times = []
+        while engine.has_unfinished_requests():
+            t = time.perf_counter()
+            engine.step()
+            out = engine.last_schedule
+            assert out is not None
+            if out.num_prefill_tokens == 0 and len(out.qo_indptr) - 1 == b:
+                times.append(time.perf_counter() - t)
+        print(
+            json.dumps(
+                {
+                    "batch": b,
+                    "context": context,
+                    "decode_steps": len(times),
+                    "median_step_ms": round(1e3 * float(np.median(times)), 1),
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -136,8 +136,12 @@ def test_bench_throughput_smoke(models: dict[str, Path], capsys: pytest.CaptureF
     assert report["ratio_vs_transformers"] > 0 and report["ratio_vs_ample"] > 0
     demand = report["ferryman_ample"]["num_device_blocks"]  # the ample pool is the whole demand
     assert report["pool_basis"] == "demand" and ours["num_device_blocks"] >= demand // 2
-    assert main([*args, "--json", "--no-hf", "--pool-basis", "peak"]) == 0
+    assert main([*args, "--json", "--no-hf", "--pool-basis", "peak", "--repeats", "2"]) == 0
     strict = json.loads(capsys.readouterr().out)
+    runs = strict["ratio_vs_ample_runs"]
+    assert strict["repeats"] == 2 and len(runs) == 2 and strict["ratio_vs_ample"] == sum(runs) / 2
+    with pytest.raises(SystemExit):  # argparse: "--repeats: must be >= 1"
+        main([*args, "--repeats", "0"])
     assert strict["pool_basis"] == "peak" and "transformers" not in strict
     peak = strict["ferryman_ample"]["peak_blocks_used"]
     assert peak // 2 <= strict["ferryman"]["num_device_blocks"] <= ours["num_device_blocks"]

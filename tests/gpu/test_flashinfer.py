@@ -193,3 +193,28 @@ def test_cuda_graphs_replay_decode_with_the_eager_output(tmp_path: Path) -> None
     assert got == want
     assert graphs.stats()["num_cuda_graph_steps"] >= 19  # every decode step after the prefill
     assert eager.stats()["num_cuda_graph_steps"] == 0
+
+
+def test_kv_pool_is_sized_from_gpu_memory_utilization(tmp_path: Path) -> None:
+    """No ``num_device_blocks``: ``profile_kv_blocks`` gives KV what is left of the utilization
+    share after weights and a full-budget forward; the pool stays inside that share and serves."""
+    from tiny_models import build
+
+    from ferryman.engine import Engine
+    from ferryman.sampling_params import SamplingParams
+    from ferryman.worker.kv_cache import KvCache
+
+    path = str(build("llama", tmp_path, hidden_size=256, intermediate_size=512))
+    util = 0.05
+    eng = Engine(
+        path, device="cuda", dtype=GREEDY_DTYPE, attention_backend="flashinfer", calibrate=False,
+        num_host_blocks=0, gpu_memory_utilization=util, enforce_eager=True,
+    )  # fmt: skip
+    c = eng.model.cfg
+    blocks = eng.scheduler.config.num_device_blocks
+    per_block = KvCache.bytes_per_block(c.num_layers, 16, c.num_kv_heads, c.head_dim, torch.float16)
+    total = torch.cuda.get_device_properties(0).total_memory
+    print(f"profiled pool: {blocks} blocks, {blocks * per_block / 2**30:.2f} GiB of {total / 2**30:.0f} GiB")
+    assert blocks > 1000 and blocks * per_block <= util * total
+    out = eng.generate([[*range(20, 40)]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 8

@@ -170,8 +170,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-def _is_fused(key: str) -> bool:
-    return key.split(".")[-2] in FUSED_PROJECTIONS
+def _checkpoint_names(key: str) -> list[str]:
+    """The checkpoint tensors behind one of our state-dict keys (the parts of a stacked one)."""
+    *prefix, name, kind = key.split(".")
+    parts = FUSED_PROJECTIONS.get(name, (name,))
+    return [".".join([*prefix, part, kind]) for part in parts]
 
 
 class DecoderLayer(nn.Module):
@@ -276,27 +279,18 @@ class LlamaForCausalLM(nn.Module):
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Loads weights named as in a Hugging Face checkpoint; names every missing tensor."""
         own = self.state_dict()
-        mapped: dict[str, torch.Tensor] = {}
-        for name, t in tensors.items():
-            key = name.removeprefix("model.").replace("self_attn.", "").replace("mlp.", "")
-            if key == "lm_head.weight" and self.lm_head is None:
-                continue
-            mapped[key] = t
-        missing: list[str] = []
-        for i in range(len(self.layers)):
-            for fused, parts in FUSED_PROJECTIONS.items():
-                for kind in ("weight", "bias"):
-                    names = [f"layers.{i}.{part}.{kind}" for part in parts]
-                    if f"layers.{i}.{fused}.{kind}" not in own:
-                        continue
-                    lacking = [n for n in names if n not in mapped]
-                    missing += lacking
-                    if not lacking:
-                        mapped[f"layers.{i}.{fused}.{kind}"] = torch.cat([mapped.pop(n) for n in names])
-        mapped = {k: t for k, t in mapped.items() if k in own}
-        missing = sorted(set(missing) | (set(own) - set(mapped) - {k for k in own if _is_fused(k)}))
+        given = {
+            name.removeprefix("model.").replace("self_attn.", "").replace("mlp.", ""): t
+            for name, t in tensors.items()
+        }  # extra tensors (a tied model's lm_head, rotary buffers) are ignored
+        sources = {key: _checkpoint_names(key) for key in own}
+        missing = sorted(n for names in sources.values() for n in names if n not in given)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+        mapped = {
+            key: given[names[0]] if len(names) == 1 else torch.cat([given[n] for n in names])
+            for key, names in sources.items()
+        }
         for key, t in mapped.items():
             if tuple(t.shape) != tuple(own[key].shape):
                 raise ValueError(

@@ -95,7 +95,7 @@ class _GraphAttention:
 
     def __init__(self, kv: KvCache, wrapper: Any, slots: torch.Tensor, block_size: int) -> None:
         self.kv, self.wrapper, self.slots, self.bs = kv, wrapper, slots, block_size
-        self.blk = self.off = slots
+        self.blk = self.off = slots  # set from the slots at layer 0 of every forward
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if layer_idx == 0:

@@ -264,13 +264,13 @@ def _bench_throughput(a: argparse.Namespace) -> int:
         "output_len": a.output_len,
     }
     blocks = a.num_device_blocks or demand
+    longest = max(-(-(len(p) + m) // 16) for p, m in work)  # a tight pool still fits each request
     vs_ample: list[float] = []
     vs_hf: list[float] = []
     for rep in range(a.repeats):  # each repeat runs every variant again, interleaved
         ample: dict[str, float] = {}
         if a.pool_fraction:
             ample = bench.run_ferryman(a.model, work, num_device_blocks=demand, **kw)
-            longest = max(-(-(len(p) + m) // 16) for p, m in work)
             basis = ample["peak_blocks_used"] if a.pool_basis == "peak" else demand
             blocks = max(longest, int(basis * a.pool_fraction))
         ours = bench.run_ferryman(a.model, work, num_device_blocks=blocks, **kw)

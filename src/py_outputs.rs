@@ -1,53 +1,53 @@
 //! `SchedulerOutput` and `StepOutputs` for Python. Each `Vec` of the core's outputs becomes a
 //! numpy array that takes ownership of the buffer (no copy) when Python first reads it, and the
 //! same array object on every later read; pair lists become [k, 2] arrays. Wrapping is what costs
-//! here (about half a microsecond per array, ~20 arrays a step), so a caller pays only for the
-//! arrays it reads: the forward reads ten or so, a fake model or a CPU-side consumer fewer.
+//! here (about 1.5 µs per array on the CI machine kind, ~20 arrays a step), so a caller pays only
+//! for the arrays it reads: the forward reads ten or so, a fake model or a CPU-side consumer fewer.
 
 use ferryman_core::{FinishReason, SchedulerOutput, StepOutputs};
 use numpy::{Element, PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-/// A core `Vec` until Python first reads it, then the numpy array that owns its buffer.
-enum Lazy<T: Element> {
-    Rust(Vec<T>),
-    Numpy(Py<PyArray1<T>>),
+/// A core value until Python first reads it, then the Python object made from it (cached).
+enum Lazy<R, P> {
+    Rust(R),
+    Python(Py<P>),
 }
 
-impl<T: Element> Lazy<T> {
-    fn get(&mut self, py: Python<'_>) -> Py<PyArray1<T>> {
+impl<R: Default, P> Lazy<R, P> {
+    fn get<'py>(
+        &mut self,
+        py: Python<'py>,
+        wrap: impl FnOnce(Python<'py>, R) -> PyResult<Bound<'py, P>>,
+    ) -> PyResult<Py<P>> {
         if let Lazy::Rust(v) = self {
-            *self = Lazy::Numpy(PyArray1::from_vec(py, std::mem::take(v)).unbind());
+            *self = Lazy::Python(wrap(py, std::mem::take(v))?.unbind());
         }
         match self {
-            Lazy::Numpy(a) => a.clone_ref(py),
+            Lazy::Python(o) => Ok(o.clone_ref(py)),
             Lazy::Rust(_) => unreachable!("converted above"),
         }
     }
 }
 
-/// (src, dst) block pairs until first read, then their [k, 2] int32 array.
-enum LazyPairs {
-    Rust(Vec<[i32; 2]>),
-    Numpy(Py<PyArray2<i32>>),
+type Array<T> = Lazy<Vec<T>, PyArray1<T>>;
+type Pairs = Lazy<Vec<[i32; 2]>, PyArray2<i32>>;
+
+fn array<T: Element>(py: Python<'_>, v: Vec<T>) -> PyResult<Bound<'_, PyArray1<T>>> {
+    Ok(PyArray1::from_vec(py, v))
 }
 
-impl LazyPairs {
-    fn get(&mut self, py: Python<'_>) -> PyResult<Py<PyArray2<i32>>> {
-        if let LazyPairs::Rust(v) = self {
-            let v = std::mem::take(v);
-            let n = v.len();
-            *self = LazyPairs::Numpy(PyArray1::from_vec(py, v.into_flattened()).reshape([n, 2])?.unbind());
-        }
-        match self {
-            LazyPairs::Numpy(a) => Ok(a.clone_ref(py)),
-            LazyPairs::Rust(_) => unreachable!("converted above"),
-        }
-    }
+fn pairs(py: Python<'_>, v: Vec<[i32; 2]>) -> PyResult<Bound<'_, PyArray2<i32>>> {
+    let n = v.len();
+    PyArray1::from_vec(py, v.into_flattened()).reshape([n, 2])
 }
 
-/// One `#[pymethods]` block (pyo3 allows one per class): a getter per `Lazy` / `LazyPairs` field,
+fn reasons(py: Python<'_>, v: Vec<Option<FinishReason>>) -> PyResult<Bound<'_, PyList>> {
+    PyList::new(py, v.iter().map(|r| r.map(|r| r.as_str())))
+}
+
+/// One `#[pymethods]` block (pyo3 allows one per class): a getter per `Array` / `Pairs` field,
 /// then the class's other methods.
 macro_rules! pymethods_with_array_getters {
     ($cls:ident; arrays: $($a:ident: $t:ty),*; pairs: $($p:ident),*; $($rest:tt)*) => {
@@ -55,14 +55,14 @@ macro_rules! pymethods_with_array_getters {
         impl $cls {
             $(
                 #[getter]
-                fn $a(&mut self, py: Python<'_>) -> Py<PyArray1<$t>> {
-                    self.$a.get(py)
+                fn $a(&mut self, py: Python<'_>) -> PyResult<Py<PyArray1<$t>>> {
+                    self.$a.get(py, array)
                 }
             )*
             $(
                 #[getter]
                 fn $p(&mut self, py: Python<'_>) -> PyResult<Py<PyArray2<i32>>> {
-                    self.$p.get(py)
+                    self.$p.get(py, pairs)
                 }
             )*
             $($rest)*
@@ -73,24 +73,24 @@ macro_rules! pymethods_with_array_getters {
 /// The plan of one step; every array is C-contiguous. See `_core.pyi` for shapes and dtypes.
 #[pyclass(name = "SchedulerOutput", module = "ferryman._core")]
 pub struct PySchedulerOutput {
-    req_ids: Lazy<i64>,
-    seq_indices: Lazy<i32>,
-    input_ids: Lazy<i32>,
-    positions: Lazy<i64>,
-    qo_indptr: Lazy<i32>,
-    seq_lens: Lazy<i32>,
-    kv_indptr: Lazy<i32>,
-    kv_indices: Lazy<i32>,
-    kv_last_page_len: Lazy<i32>,
-    slot_mapping: Lazy<i64>,
-    logits_indices: Lazy<i64>,
-    sample_req_ids: Lazy<i64>,
-    sample_seq_indices: Lazy<i32>,
-    blocks_to_swap_out: LazyPairs,
-    blocks_to_swap_in: LazyPairs,
-    blocks_to_copy: LazyPairs,
-    preempted_req_ids: Lazy<i64>,
-    finished_req_ids: Lazy<i64>,
+    req_ids: Array<i64>,
+    seq_indices: Array<i32>,
+    input_ids: Array<i32>,
+    positions: Array<i64>,
+    qo_indptr: Array<i32>,
+    seq_lens: Array<i32>,
+    kv_indptr: Array<i32>,
+    kv_indices: Array<i32>,
+    kv_last_page_len: Array<i32>,
+    slot_mapping: Array<i64>,
+    logits_indices: Array<i64>,
+    sample_req_ids: Array<i64>,
+    sample_seq_indices: Array<i32>,
+    blocks_to_swap_out: Pairs,
+    blocks_to_swap_in: Pairs,
+    blocks_to_copy: Pairs,
+    preempted_req_ids: Array<i64>,
+    finished_req_ids: Array<i64>,
     #[pyo3(get)]
     step: u64,
     #[pyo3(get)]
@@ -132,9 +132,9 @@ impl PySchedulerOutput {
             logits_indices: Lazy::Rust(o.logits_indices),
             sample_req_ids: Lazy::Rust(o.sample_req_ids),
             sample_seq_indices: Lazy::Rust(o.sample_seq_indices),
-            blocks_to_swap_out: LazyPairs::Rust(o.blocks_to_swap_out),
-            blocks_to_swap_in: LazyPairs::Rust(o.blocks_to_swap_in),
-            blocks_to_copy: LazyPairs::Rust(o.blocks_to_copy),
+            blocks_to_swap_out: Lazy::Rust(o.blocks_to_swap_out),
+            blocks_to_swap_in: Lazy::Rust(o.blocks_to_swap_in),
+            blocks_to_copy: Lazy::Rust(o.blocks_to_copy),
             preempted_req_ids: Lazy::Rust(o.preempted_req_ids),
             finished_req_ids: Lazy::Rust(o.finished_req_ids),
             step: s.step,
@@ -174,17 +174,11 @@ pymethods_with_array_getters!(PySchedulerOutput;
 /// The result of `update()`: one entry per sample, in `logits_indices` order.
 #[pyclass(name = "StepOutputs", module = "ferryman._core")]
 pub struct PyStepOutputs {
-    req_ids: Lazy<i64>,
-    seq_indices: Lazy<i32>,
-    new_token_ids: Lazy<i32>,
-    finish_reasons: LazyReasons,
+    req_ids: Array<i64>,
+    seq_indices: Array<i32>,
+    new_token_ids: Array<i32>,
+    finish_reasons: Lazy<Vec<Option<FinishReason>>, PyList>,
     len: usize,
-}
-
-/// The finish reason of each sample until first read, then its Python list (None or a str).
-enum LazyReasons {
-    Rust(Vec<Option<FinishReason>>),
-    List(Py<PyList>),
 }
 
 impl PyStepOutputs {
@@ -194,7 +188,7 @@ impl PyStepOutputs {
             req_ids: Lazy::Rust(o.req_ids),
             seq_indices: Lazy::Rust(o.seq_indices),
             new_token_ids: Lazy::Rust(o.new_token_ids),
-            finish_reasons: LazyReasons::Rust(o.finish_reasons),
+            finish_reasons: Lazy::Rust(o.finish_reasons),
         }
     }
 }
@@ -204,14 +198,7 @@ pymethods_with_array_getters!(PyStepOutputs;
     pairs: ;
     #[getter]
     fn finish_reasons(&mut self, py: Python<'_>) -> PyResult<Py<PyList>> {
-        if let LazyReasons::Rust(v) = &self.finish_reasons {
-            let list = PyList::new(py, v.iter().map(|r| r.map(|r| r.as_str())))?;
-            self.finish_reasons = LazyReasons::List(list.unbind());
-        }
-        match &self.finish_reasons {
-            LazyReasons::List(l) => Ok(l.clone_ref(py)),
-            LazyReasons::Rust(_) => unreachable!("converted above"),
-        }
+        self.finish_reasons.get(py, reasons)
     }
     fn __len__(&self) -> usize {
         self.len

@@ -8,6 +8,12 @@ mod py_scheduler;
 
 use pyo3::prelude::*;
 
+/// The extension's own allocations (each step's output arrays, request state) come from
+/// mimalloc: glibc's allocator gave the freed step buffers back to the OS and page-faulted them
+/// in again every step, about a fifth of the core's time (`examples/replay` under `perf`).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// The `ferryman._core` extension module.
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -5,11 +5,16 @@
 //! Each scenario builds a template state once; the timed loop steps a clone of it and re-clones
 //! every `RESET` steps so the state stays representative. Cloning, dropping and the first step
 //! after a clone (which regrows every vector the clone made exact-size) are not timed.
+//!
+//! Allocations go through mimalloc, the allocator of the Python extension.
 
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use ferryman_core::{PreemptionModeConfig, RequestParams, Scheduler, SchedulerConfig};
+
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const RESET: u64 = 64;
 

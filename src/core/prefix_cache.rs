@@ -9,7 +9,11 @@
 //! different prefixes differ; a false hit needs a 128-bit collision. When two requests compute
 //! the same block at once, the first registered keeps the entry; the other block stays private.
 //!
-//! Invariant: `hash_to_block[h] == b` implies `block_hash[b] == h`.
+//! The map is keyed by the hash's low 64 bits (half the memory of 128-bit keys, and the map's
+//! random accesses are what prefix caching costs); a hit is confirmed against the block's full
+//! 128-bit hash, and a key already taken by other content counts as cached elsewhere.
+//!
+//! Invariant: `hash_to_block[key(h)] == b` implies `block_hash[b] == h`.
 
 use rustc_hash::FxHashMap;
 use xxhash_rust::xxh3::xxh3_128_with_seed;
@@ -20,7 +24,7 @@ const NO_HASH: u128 = 0;
 #[derive(Debug, Clone)]
 pub struct PrefixCache {
     block_hash: Vec<u128>,
-    hash_to_block: FxHashMap<u128, u32>,
+    hash_to_block: FxHashMap<u64, u32>,
     scratch: Vec<u8>,
 }
 
@@ -40,6 +44,12 @@ pub fn extend_block_hashes(hashes: &mut Vec<u128>, token_ids: &[i32], block_size
     }
 }
 
+/// The map key of a block hash.
+#[inline]
+fn key(hash: u128) -> u64 {
+    hash as u64
+}
+
 impl PrefixCache {
     /// An empty cache over a pool of `num_blocks` blocks.
     pub fn new(num_blocks: usize) -> Self {
@@ -51,7 +61,7 @@ impl PrefixCache {
     /// The block holding content `hash`, if any.
     #[inline]
     pub fn lookup(&self, hash: u128) -> Option<u32> {
-        self.hash_to_block.get(&hash).copied()
+        self.hash_to_block.get(&key(hash)).copied().filter(|&b| self.block_hash[b as usize] == hash)
     }
 
     /// Whether `block` holds registered content (worth keeping when freed).
@@ -66,7 +76,7 @@ impl PrefixCache {
         if self.block_hash[block as usize] != NO_HASH {
             return;
         }
-        if let std::collections::hash_map::Entry::Vacant(e) = self.hash_to_block.entry(hash) {
+        if let std::collections::hash_map::Entry::Vacant(e) = self.hash_to_block.entry(key(hash)) {
             e.insert(block);
             self.block_hash[block as usize] = hash;
         }
@@ -77,7 +87,7 @@ impl PrefixCache {
     pub fn evict(&mut self, block: u32) {
         let h = std::mem::replace(&mut self.block_hash[block as usize], NO_HASH);
         if h != NO_HASH {
-            self.hash_to_block.remove(&h);
+            self.hash_to_block.remove(&key(h));
         }
     }
 
@@ -98,8 +108,8 @@ impl PrefixCache {
 
     /// Checks map/array agreement (`check_invariants`).
     pub fn check(&self) -> Result<(), String> {
-        for (&h, &b) in &self.hash_to_block {
-            if self.block_hash[b as usize] != h {
+        for (&k, &b) in &self.hash_to_block {
+            if key(self.block_hash[b as usize]) != k {
                 return Err(format!("prefix cache maps a hash to block {b}, which holds another"));
             }
         }
@@ -137,6 +147,21 @@ mod tests {
         assert!(!pc.is_cached(2));
         pc.evict(1);
         assert_eq!(pc.lookup(77), None);
+        pc.check().unwrap();
+    }
+
+    #[test]
+    fn a_key_shared_by_two_hashes_hits_only_the_registered_one() {
+        let (a, b) = (5u128, (9u128 << 64) | 5); // same low 64 bits
+        let mut pc = PrefixCache::new(4);
+        pc.insert(1, a);
+        pc.insert(2, b);
+        assert_eq!(pc.lookup(a), Some(1));
+        assert_eq!(pc.lookup(b), None); // confirmed against block 1's full hash
+        assert!(!pc.is_cached(2));
+        pc.evict(1);
+        pc.insert(2, b);
+        assert_eq!(pc.lookup(b), Some(2));
         pc.check().unwrap();
     }
 }

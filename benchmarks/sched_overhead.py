@@ -1,8 +1,7 @@
 """Scheduler overhead through the Python binding, with a fake model.
 
-Replays a workload trace through ``ferryman._core.Scheduler``. The trace is a JSON list of
-``{"id", "arrival_step", "prompt_len", "output_len"}``. The token of request r at position p is
-``splitmix64((seed << 48) | (r << 24) | p) % 151936``. Before step s, every request with
+Replays a workload trace (``workload_trace.py``: the format and the token of each position)
+through ``ferryman._core.Scheduler``. Before step s, every request with
 ``arrival_step <= s`` is added; the fake model emits, for every sample, the token of position
 ``len(request)``. Only ``schedule()`` and ``update()`` are timed (binding crossing included:
 numpy arrays out, the sampled int32 array in). The output arrays are wrapped for Python when
@@ -15,6 +14,8 @@ clock), the rest is the binding crossing.
     python benchmarks/sched_overhead.py --trace trace.json                    # ample pool
     python benchmarks/sched_overhead.py --trace trace.json --pool-fraction 0.25
     python benchmarks/sched_overhead.py --trace trace.json --read-all          # what a runner pays
+
+``vllm_scheduler.py`` replays the same trace through vLLM v1's scheduler, side by side.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import sys
 import time
 from typing import Any
@@ -31,43 +31,9 @@ from typing import Any
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np
-import numpy.typing as npt
+from workload_trace import blocks_needed, generate, prompt, tokens
 
 from ferryman import Scheduler, SchedulerConfig
-
-VOCAB = 151936
-M64 = (1 << 64) - 1
-
-
-def splitmix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    """splitmix64 on an array of uint64 (wrapping arithmetic)."""
-    with np.errstate(over="ignore"):
-        z = x + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        out: npt.NDArray[np.uint64] = z ^ (z >> np.uint64(31))
-        return out
-
-
-def tokens(seed: int, req: npt.NDArray[np.uint64], pos: npt.NDArray[np.uint64]) -> npt.NDArray[np.int32]:
-    key = (np.uint64(seed) << np.uint64(48)) | (req << np.uint64(24)) | pos
-    out: npt.NDArray[np.int32] = (splitmix64(key) % np.uint64(VOCAB)).astype(np.int32)
-    return out
-
-
-def generate(n: int, seed: int, per_step: int) -> list[dict[str, int]]:
-    """Prompts 128-2048 and outputs 64-512 tokens, uniform; `per_step` arrivals per step."""
-    rng = random.Random(seed)
-    return [
-        {
-            "id": i,
-            "arrival_step": i // per_step,
-            "prompt_len": rng.randint(128, 2048),
-            "output_len": rng.randint(64, 512),
-        }
-        for i in range(n)
-    ]
-
 
 # every array of SchedulerOutput: what a model runner reads, give or take a few
 OUTPUT_ARRAYS = [
@@ -106,9 +72,9 @@ def replay(
     while nxt < len(trace) or s.has_unfinished_requests():
         while nxt < len(trace) and trace[nxt]["arrival_step"] <= step:
             r = trace[nxt]
-            rid = np.uint64(r["id"])
-            prompt = tokens(seed, np.full(r["prompt_len"], rid), np.arange(r["prompt_len"], dtype=np.uint64))
-            s.add_request(r["id"], prompt.tolist(), r["output_len"], ignore_eos=True)
+            s.add_request(
+                r["id"], prompt(seed, r["id"], r["prompt_len"]).tolist(), r["output_len"], ignore_eos=True
+            )
             lens[r["id"]] = r["prompt_len"]
             nxt += 1
         t0 = time.perf_counter_ns()
@@ -203,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             preemption_mode=a.preemption_mode,
         )
 
-    need = [-(-(r["prompt_len"] + r["output_len"]) // a.block_size) for r in trace]
+    need = blocks_needed(trace, a.block_size)
     blocks = a.num_device_blocks or sum(need)
     if a.pool_fraction:
         peak = replay(trace, config(sum(need)), a.seed)["peak_blocks_used"]

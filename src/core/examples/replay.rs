@@ -1,6 +1,7 @@
 //! Replays a `benchmarks/sched_overhead.py` trace through the core alone (no binding), with
-//! the same fake model, and prints the core's time per output token: the figure to profile
-//! (`perf record`, `valgrind --tool=callgrind`) when working on the hot path.
+//! the same fake model and token ids (its default seed, 0), and prints the core's time per
+//! output token: the program to profile (`perf record`, `valgrind --tool=callgrind` or
+//! `--tool=cachegrind`) when working on the hot path.
 //!
 //!     cargo run --release -p ferryman-core --example replay -- trace.json [num_device_blocks]
 //!
@@ -20,6 +21,7 @@ fn splitmix64(x: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// The token of request `r` at position `p` (workload_trace.py's, seed 0).
 fn token(r: u64, p: u64) -> u32 {
     (splitmix64((r << 24) | p) % 151_936) as u32
 }

@@ -32,9 +32,14 @@ def workload(
     ]
 
 
+def request_blocks(work: list[tuple[list[int], int]], block_size: int = 16) -> list[int]:
+    """KV blocks each request holds when complete: its prompt plus all its output."""
+    return [-(-(len(p) + m) // block_size) for p, m in work]
+
+
 def demand_blocks(work: list[tuple[list[int], int]], block_size: int = 16) -> int:
-    """KV blocks the whole workload asks for: every request's prompt plus all its output."""
-    return sum(-(-(len(p) + m) // block_size) for p, m in work)
+    """KV blocks the whole workload asks for."""
+    return sum(request_blocks(work, block_size))
 
 
 def run_ferryman(model: str, work: list[tuple[list[int], int]], **engine_kw: Any) -> dict[str, float]:

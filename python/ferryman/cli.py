@@ -264,7 +264,7 @@ def _bench_throughput(a: argparse.Namespace) -> int:
         "output_len": a.output_len,
     }
     blocks = a.num_device_blocks or demand
-    longest = max(-(-(len(p) + m) // 16) for p, m in work)  # a tight pool still fits each request
+    longest = max(bench.request_blocks(work))  # a tight pool still fits each request
     vs_ample: list[float] = []
     vs_hf: list[float] = []
     for rep in range(a.repeats):  # each repeat runs every variant again, interleaved

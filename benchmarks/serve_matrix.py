@@ -21,7 +21,7 @@ import time
 import httpx
 
 from ferryman import bench_serve
-from ferryman.cli import _parser
+from ferryman.cli import build_parser
 
 
 def free_port() -> int:
@@ -69,7 +69,7 @@ def main() -> None:
         port = free_port()
         proc = start(a.model, port, blocks, mode)
         try:
-            args = _parser().parse_args(
+            args = build_parser().parse_args(
                 [
                     "bench",
                     "serve",

@@ -1,4 +1,5 @@
-//! `SchedulerConfig` for Python: keyword construction with vLLM's defaults, read-only fields.
+//! `SchedulerConfig` for Python: keyword construction (defaults from the core's
+//! `SchedulerConfig::default()`), read-only fields.
 
 use ferryman_core::{Policy, PreemptionModeConfig, SchedulerConfig};
 use pyo3::prelude::*;
@@ -13,44 +14,53 @@ pub struct PySchedulerConfig {
 
 #[pymethods]
 impl PySchedulerConfig {
+    /// Every keyword is optional; a missing one takes the core's default
+    /// (`SchedulerConfig::default()`, the one place the core declares them).
     #[new]
-    #[pyo3(signature = (*, block_size=16, num_device_blocks=4096, num_host_blocks=0,
-        max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=8192,
-        enable_chunked_prefill=true, enable_prefix_caching=true, preemption_mode="auto",
-        policy="fcfs", watermark=0.01, bytes_per_block=2097152.0, host_link_bytes_per_s=50e9,
-        prefill_tokens_per_s=20000.0))]
+    #[pyo3(signature = (*, block_size=None, num_device_blocks=None, num_host_blocks=None,
+        max_num_batched_tokens=None, max_num_seqs=None, max_model_len=None,
+        enable_chunked_prefill=None, enable_prefix_caching=None, preemption_mode=None,
+        policy=None, watermark=None, bytes_per_block=None, host_link_bytes_per_s=None,
+        prefill_tokens_per_s=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        block_size: usize,
-        num_device_blocks: usize,
-        num_host_blocks: usize,
-        max_num_batched_tokens: usize,
-        max_num_seqs: usize,
-        max_model_len: usize,
-        enable_chunked_prefill: bool,
-        enable_prefix_caching: bool,
-        preemption_mode: &str,
-        policy: &str,
-        watermark: f64,
-        bytes_per_block: f64,
-        host_link_bytes_per_s: f64,
-        prefill_tokens_per_s: f64,
+        block_size: Option<usize>,
+        num_device_blocks: Option<usize>,
+        num_host_blocks: Option<usize>,
+        max_num_batched_tokens: Option<usize>,
+        max_num_seqs: Option<usize>,
+        max_model_len: Option<usize>,
+        enable_chunked_prefill: Option<bool>,
+        enable_prefix_caching: Option<bool>,
+        preemption_mode: Option<&str>,
+        policy: Option<&str>,
+        watermark: Option<f64>,
+        bytes_per_block: Option<f64>,
+        host_link_bytes_per_s: Option<f64>,
+        prefill_tokens_per_s: Option<f64>,
     ) -> PyResult<Self> {
+        let d = SchedulerConfig::default();
         let inner = SchedulerConfig {
-            block_size,
-            num_device_blocks,
-            num_host_blocks,
-            max_num_batched_tokens,
-            max_num_seqs,
-            max_model_len,
-            enable_chunked_prefill,
-            enable_prefix_caching,
-            preemption_mode: PreemptionModeConfig::parse(preemption_mode).map_err(to_pyerr)?,
-            policy: Policy::parse(policy).map_err(to_pyerr)?,
-            watermark,
-            bytes_per_block,
-            host_link_bytes_per_s,
-            prefill_tokens_per_s,
+            block_size: block_size.unwrap_or(d.block_size),
+            num_device_blocks: num_device_blocks.unwrap_or(d.num_device_blocks),
+            num_host_blocks: num_host_blocks.unwrap_or(d.num_host_blocks),
+            max_num_batched_tokens: max_num_batched_tokens.unwrap_or(d.max_num_batched_tokens),
+            max_num_seqs: max_num_seqs.unwrap_or(d.max_num_seqs),
+            max_model_len: max_model_len.unwrap_or(d.max_model_len),
+            enable_chunked_prefill: enable_chunked_prefill.unwrap_or(d.enable_chunked_prefill),
+            enable_prefix_caching: enable_prefix_caching.unwrap_or(d.enable_prefix_caching),
+            preemption_mode: match preemption_mode {
+                Some(s) => PreemptionModeConfig::parse(s).map_err(to_pyerr)?,
+                None => d.preemption_mode,
+            },
+            policy: match policy {
+                Some(s) => Policy::parse(s).map_err(to_pyerr)?,
+                None => d.policy,
+            },
+            watermark: watermark.unwrap_or(d.watermark),
+            bytes_per_block: bytes_per_block.unwrap_or(d.bytes_per_block),
+            host_link_bytes_per_s: host_link_bytes_per_s.unwrap_or(d.host_link_bytes_per_s),
+            prefill_tokens_per_s: prefill_tokens_per_s.unwrap_or(d.prefill_tokens_per_s),
         };
         inner.validate().map_err(to_pyerr)?;
         Ok(Self { inner })

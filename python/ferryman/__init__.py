@@ -13,6 +13,7 @@ from ferryman._core import (
     StepOutputs,
     __version__,
 )
+from ferryman.engine_args import EngineArgs
 from ferryman.outputs import CompletionOutput, RequestOutput
 from ferryman.sampling_params import SamplingParams
 
@@ -32,6 +33,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "CompletionOutput",
     "Engine",
+    "EngineArgs",
     "EngineError",
     "InvalidRequestError",
     "RequestOutput",

@@ -32,27 +32,29 @@ class EngineError(RuntimeError):
 class SchedulerConfig:
     """The scheduler's knobs (keywords only, vLLM's names); validated on construction.
 
-    ``num_device_blocks`` counts usable blocks (the null block 0 is extra). ``bytes_per_block``,
-    ``host_link_bytes_per_s`` and ``prefill_tokens_per_s`` are the ``auto`` mode's cost model.
+    A keyword left out (or None) takes the core's default (``SchedulerConfig()`` shows them; the Engine's
+    are ``ferryman.EngineArgs``). ``num_device_blocks`` counts usable blocks (the null block 0 is
+    extra). ``bytes_per_block``, ``host_link_bytes_per_s`` and ``prefill_tokens_per_s`` are the
+    ``auto`` mode's cost model.
     """
 
     def __new__(
         cls,
         *,
-        block_size: int = 16,
-        num_device_blocks: int = 4096,
-        num_host_blocks: int = 0,
-        max_num_batched_tokens: int = 8192,
-        max_num_seqs: int = 256,
-        max_model_len: int = 8192,
-        enable_chunked_prefill: bool = True,
-        enable_prefix_caching: bool = True,
-        preemption_mode: str = "auto",
-        policy: str = "fcfs",
-        watermark: float = 0.01,
-        bytes_per_block: float = 2097152.0,
-        host_link_bytes_per_s: float = 50e9,
-        prefill_tokens_per_s: float = 20000.0,
+        block_size: int | None = None,
+        num_device_blocks: int | None = None,
+        num_host_blocks: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        max_num_seqs: int | None = None,
+        max_model_len: int | None = None,
+        enable_chunked_prefill: bool | None = None,
+        enable_prefix_caching: bool | None = None,
+        preemption_mode: str | None = None,
+        policy: str | None = None,
+        watermark: float | None = None,
+        bytes_per_block: float | None = None,
+        host_link_bytes_per_s: float | None = None,
+        prefill_tokens_per_s: float | None = None,
     ) -> SchedulerConfig: ...
     @property
     def block_size(self) -> int: ...

@@ -19,23 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--model", default=None, help="served model name (default: the server's first)")
-    p.add_argument("--num-prompts", type=int, default=200)
-    p.add_argument("--rate", type=float, default=float("inf"), help="requests per second (Poisson)")
-    p.add_argument("--input-len", default="32:256", help="LO:HI random prompt tokens")
-    p.add_argument("--output-len", default="16:256", help="LO:HI max_tokens")
-    p.add_argument("--token-range", default="100:1000", help="LO:HI token ids of random prompts")
-    p.add_argument("--dataset", default=None, help="JSON list of prompts instead of random ones")
-    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
-    p.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-
-
 @dataclass(slots=True)
 class Result:
     ok: bool = False
@@ -205,11 +188,3 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         "preemptions": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in sorted(set(after) | set(before))},
     }
     return report
-
-
-def main(a: argparse.Namespace) -> int:
-    report = asyncio.run(run(a))
-    from ferryman.cli import print_report
-
-    print_report(report, a.json)
-    return 0 if report["failed"] == 0 else 1

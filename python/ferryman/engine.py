@@ -5,6 +5,7 @@ strings. The API mirrors vLLM's ``LLM`` (``generate``) and ``LLMEngine`` (``add_
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Sequence
@@ -14,14 +15,12 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from ferryman._core import InvalidRequestError, Scheduler, SchedulerConfig, SchedulerOutput
+from ferryman._core import InvalidRequestError, SchedulerOutput
 from ferryman.detokenizer import IncrementalDetokenizer
-from ferryman.model_loader import DEFAULT_MODEL, load_model
+from ferryman.engine_args import DEFAULT_MODEL, EngineArgs
+from ferryman.engine_setup import build_parts
 from ferryman.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ferryman.sampling_params import SamplingParams
-from ferryman.worker.calibrate import host_link_bytes_per_s, prefill_tokens_per_s, profile_kv_blocks
-from ferryman.worker.kv_cache import KvCache
-from ferryman.worker.model_runner import ModelRunner
 from ferryman.worker.sampler import gather_logprobs, sample
 
 Prompt = str | Sequence[int]
@@ -39,107 +38,31 @@ class _Request:
     metrics: RequestMetrics
 
 
-def _device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def _dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    if dtype not in names:
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(names)}, got {dtype!r}")
-    return names[dtype]
-
-
 class Engine:
-    def __init__(
-        self,
-        model: str = DEFAULT_MODEL,
-        *,
-        dtype: str | torch.dtype = "auto",
-        device: str = "auto",
-        block_size: int = 16,
-        max_num_batched_tokens: int | None = None,
-        max_num_seqs: int = 256,
-        max_model_len: int | None = None,
-        num_device_blocks: int | None = None,
-        num_host_blocks: int | None = None,
-        swap_space: float = 4,
-        kv_cache_memory: int = 512 << 20,
-        gpu_memory_utilization: float = 0.9,
-        attention_backend: str = "auto",
-        enforce_eager: bool = False,
-        preemption_mode: str = "auto",
-        policy: str = "fcfs",
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        seed: int = 0,
-        calibrate: bool = True,
-    ) -> None:
-        self.device = _device(device)
-        self.dtype = _dtype(dtype, self.device)
-        self.model, self.tokenizer = load_model(model, self.dtype, self.device)
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
+        """``model`` and every other knob of ``EngineArgs`` as keywords; an unknown keyword is a
+        ``TypeError``, a bad value an ``InvalidRequestError`` naming it."""
+        self.args = args = EngineArgs(model=model, **kwargs)
+        parts = build_parts(args)
+        self.device, self.dtype = parts.device, parts.dtype
+        self.model, self.tokenizer, self.max_model_len = parts.model, parts.tokenizer, parts.max_model_len
+        self.kv, self.runner, self.scheduler = parts.kv, parts.runner, parts.scheduler
+        self.calibration, self.calibration_s = parts.calibration, parts.calibration_s
         mc = self.model.cfg
-        bpb = KvCache.bytes_per_block(mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
-        self.max_model_len = max_model_len or mc.max_position_embeddings
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, self.max_model_len)
-        if num_device_blocks is None and self.device.type == "cuda":
-            num_device_blocks = profile_kv_blocks(
-                self.model, block_size, max_num_batched_tokens, bpb, gpu_memory_utilization, attention_backend
-            )
-        elif num_device_blocks is None:
-            num_device_blocks = max(1, kv_cache_memory // bpb)
-        if num_host_blocks is None:
-            num_host_blocks = int(swap_space * (1 << 30)) // bpb
-        self.kv = KvCache(
-            mc.num_layers, num_device_blocks, num_host_blocks, block_size, mc.num_kv_heads, mc.head_dim,
-            self.dtype, self.device,
-        )  # fmt: skip
-        self.runner = ModelRunner(
-            self.model, self.kv, block_size, self.device, attention_backend,
-            enforce_eager=enforce_eager, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
-        )  # fmt: skip
-        self.calibration: dict[str, float] = {}
-        started = time.perf_counter()
-        if calibrate:
-            link = host_link_bytes_per_s(self.kv, bpb)
-            if link is not None:
-                self.calibration["host_link_bytes_per_s"] = link
-            self.calibration["prefill_tokens_per_s"] = prefill_tokens_per_s(
-                self.runner, block_size, num_device_blocks
-            )
-        self.calibration_s = time.perf_counter() - started
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                block_size=block_size,
-                num_device_blocks=num_device_blocks,
-                num_host_blocks=num_host_blocks,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_num_seqs=max_num_seqs,
-                max_model_len=self.max_model_len,
-                enable_chunked_prefill=enable_chunked_prefill,
-                enable_prefix_caching=enable_prefix_caching,
-                preemption_mode=preemption_mode,
-                policy=policy,
-                bytes_per_block=float(bpb),
-                **self.calibration,
-            )
-        )
         self.eos_token_ids = list(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids = [self.tokenizer.eos_token_id, *self.eos_token_ids]
-        self._rng = random.Random(seed)
+        self._rng = random.Random(args.seed)
         self._reqs: dict[int, _Request] = {}
         self._core_ids: dict[str, int] = {}
         self._next_id = 0
         self.peak_blocks_used = 0
         self.last_schedule: SchedulerOutput | None = None
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> Engine:
+        """The engine these arguments describe (what ``ferryman serve`` and the CLI build)."""
+        return cls(**dataclasses.asdict(args))
 
     # -- requests ------------------------------------------------------------------------------
 

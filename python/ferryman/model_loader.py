@@ -12,14 +12,12 @@ from typing import Any
 
 import torch
 
+from ferryman.engine_args import DEFAULT_MODEL
 from ferryman.models.llama import LlamaForCausalLM, ModelConfig
 
 
 class ModelLoadError(ValueError):
     """The model path is missing or does not hold what ferryman can load."""
-
-
-DEFAULT_MODEL = "smollm2"
 
 
 def default_model_path() -> Path:

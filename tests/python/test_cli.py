@@ -60,30 +60,86 @@ def test_chat_keeps_the_conversation_and_reset_forgets_it(model_dir: Path) -> No
     assert out == f"> {first}\n> {second}\n> > {fresh}\n> "
 
 
+ENGINE_FLAGS = [
+    "--model",
+    "--dtype",
+    "--device",
+    "--block-size",
+    "--max-num-batched-tokens",
+    "--max-num-seqs",
+    "--max-model-len",
+    "--num-device-blocks",
+    "--num-host-blocks",
+    "--swap-space",
+    "--kv-cache-memory",
+    "--gpu-memory-utilization",
+    "--attention-backend",
+    "--enforce-eager",
+    "--preemption-mode",
+    "--policy",
+    "--no-prefix-caching",
+    "--no-chunked-prefill",
+    "--seed",
+    "--no-calibrate",
+]
+
+
 @pytest.mark.parametrize(
-    "cmd",
-    [[], ["serve"], ["generate"], ["chat"], ["bench", "throughput"], ["bench", "serve"], ["sim"], ["plot"]],
+    ("cmd", "expect"),
+    [
+        ([], ["{serve,generate,chat,bench,sim,plot}", "OpenAI-compatible HTTP server"]),
+        (
+            ["serve"],
+            [*ENGINE_FLAGS, "--port PORT", "--served-model-name", "--max-waiting", "(default: 8000)"],
+        ),
+        (["generate"], [*ENGINE_FLAGS, "prompt", "--stream", "--max-tokens", "(default: 64)", "--stop"]),
+        (["chat"], [*ENGINE_FLAGS, "--system", "(default: 256)"]),
+        (
+            ["bench", "throughput"],
+            ["--model", "--num-device-blocks", "every request fits", "--pool-fraction", "--repeats"],
+        ),
+        (["bench", "serve"], ["--base-url", "--rate", "--max-concurrency", "--dataset"]),
+        (
+            ["sim"],
+            [
+                "--gpu",
+                "--model-shape",
+                "--sweep",
+                "--max-num-seqs",
+                "--compute-efficiency",
+                "the workload's longest",
+            ],
+        ),
+        (["plot"], ["trace", "--out", "(default: trace.png)"]),
+    ],
 )
-def test_every_command_has_help(cmd: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+def test_every_command_has_help_naming_its_flags(
+    cmd: list[str], expect: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as e:
         main([*cmd, "--help"])
     assert e.value.code == 0
-    assert "usage: ferryman" in capsys.readouterr().out
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert text.startswith("usage: ferryman " + " ".join(cmd))
+    missing = [x for x in expect if x not in text]
+    assert not missing, missing
 
 
-def test_every_engine_knob_is_a_flag_with_the_engines_default() -> None:
-    """``add_engine_args`` + ``engine_kwargs`` cover every keyword of ``Engine`` (the model is the
-    positional argument), and parsing no flags gives the Engine's own defaults."""
-    import argparse
-    import inspect
+def test_help_shows_each_engine_default() -> None:
+    out = ferryman("serve", "--help")
+    text = " ".join(out.split())
+    for shown in [
+        "tokens per KV block (default: 16)",
+        "(default: 256)",
+        "(default: smollm2)",
+        "(default: auto)",
+    ]:
+        assert shown in text, shown
+    assert "--max-num-batched-tokens MAX_NUM_BATCHED_TOKENS token budget of one step" in text
 
-    from ferryman.cli import add_engine_args, engine_kwargs
 
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    got = engine_kwargs(p.parse_args([]))
-    params = {k: v.default for k, v in inspect.signature(Engine.__init__).parameters.items()}
-    del params["self"], params["model"]
-    assert got == params
-    flagged = engine_kwargs(p.parse_args(["--enforce-eager", "--attention-backend", "torch"]))
-    assert flagged["enforce_eager"] is True and flagged["attention_backend"] == "torch"
+def test_bench_throughput_does_not_take_engine_only_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "throughput", "--enforce-eager"])
+    assert e.value.code == 2
+    assert "unrecognized arguments: --enforce-eager" in capsys.readouterr().err

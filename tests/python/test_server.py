@@ -290,9 +290,9 @@ def test_disconnects_mid_stream_abort_and_free_blocks_while_others_finish(
 
 def test_bench_serve_against_the_server(server: Server) -> None:
     from ferryman import bench_serve
-    from ferryman.cli import _parser
+    from ferryman.cli import build_parser
 
-    a = _parser().parse_args(
+    a = build_parser().parse_args(
         [
             "bench",
             "serve",

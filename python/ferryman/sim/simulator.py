@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from ferryman._core import Scheduler, SchedulerConfig
+from ferryman._core import Scheduler
+from ferryman.engine_args import SchedulerArgs, at_least, in_unit_interval, knob
 from ferryman.sim.cost import Roofline
 from ferryman.sim.presets import GpuSpec, ModelShape
 from ferryman.sim.workload import Workload
@@ -30,24 +31,21 @@ from ferryman.trace import TraceWriter, step_record
 _TOKEN = np.int32(1)
 
 
-@dataclass(slots=True)
-class SimConfig:
-    block_size: int = 16
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
-    max_model_len: int | None = None  # default: the workload's longest request
-    gpu_memory_utilization: float = 0.9
-    swap_space: float = 4.0  # GiB of host KV
-    num_device_blocks: int | None = None  # override the memory-derived pool
-    num_host_blocks: int | None = None
-    preemption_mode: str = "auto"
-    policy: str = "fcfs"
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    dtype_bytes: int = 2
-    compute_efficiency: float = 0.6
-    bandwidth_efficiency: float = 0.8
-    step_overhead_s: float = 1e-3
+@dataclass(kw_only=True)
+class SimConfig(SchedulerArgs):
+    """The scheduler's knobs (``SchedulerArgs``, shared with the Engine) plus the cost model's.
+    ``max_model_len`` defaults to the workload's longest request; the token budget to a GPU's."""
+
+    dtype_bytes: int = knob(2, "bytes per weight and KV element", check=at_least(1))
+    compute_efficiency: float = knob(0.6, "share of peak FLOP/s a step reaches", check=in_unit_interval)
+    bandwidth_efficiency: float = knob(
+        0.8, "share of peak HBM bandwidth a step reaches", check=in_unit_interval
+    )
+    step_overhead_s: float = knob(1e-3, "fixed host time per step, seconds", check=at_least(0))
+
+    def budget(self, max_model_len: int) -> int:
+        """The step's token budget on the simulated GPU."""
+        return self.token_budget("cuda", max_model_len)
 
 
 def pool_sizes(gpu: GpuSpec, shape: ModelShape, cfg: SimConfig) -> tuple[int, int, int]:
@@ -58,7 +56,8 @@ def pool_sizes(gpu: GpuSpec, shape: ModelShape, cfg: SimConfig) -> tuple[int, in
         weights = shape.num_params * b
         h, inter = shape.hidden_size, shape.intermediate_size
         activations = (
-            cfg.max_num_batched_tokens * (8 * h + 2 * inter) * b + cfg.max_num_seqs * shape.vocab_size * 4
+            cfg.budget(cfg.max_model_len or 0) * (8 * h + 2 * inter) * b
+            + cfg.max_num_seqs * shape.vocab_size * 4
         )
         kv = gpu.memory_bytes * cfg.gpu_memory_utilization - weights - activations
         if kv < block_bytes:
@@ -124,21 +123,17 @@ def simulate(
     )
     device, host, block_bytes = pool_sizes(gpu, shape, cfg)
     longest = int((work.prompt_len + work.output_len).max())
+    max_model_len = cfg.max_model_len or longest
+    budget = cfg.budget(max_model_len)
     sched = Scheduler(
-        SchedulerConfig(
-            block_size=cfg.block_size,
+        cfg.scheduler_config(
             num_device_blocks=device,
             num_host_blocks=host,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_num_seqs=cfg.max_num_seqs,
-            max_model_len=cfg.max_model_len or longest,
-            enable_chunked_prefill=cfg.enable_chunked_prefill,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            preemption_mode=cfg.preemption_mode,
-            policy=cfg.policy,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=budget,
             bytes_per_block=float(block_bytes),
             host_link_bytes_per_s=gpu.host_link_bytes_per_s,
-            prefill_tokens_per_s=roof.prefill_tokens_per_s(cfg.max_num_batched_tokens),
+            prefill_tokens_per_s=roof.prefill_tokens_per_s(budget),
         )
     )
     n = len(work)
@@ -196,7 +191,7 @@ def simulate(
         "gpu": gpu.name,
         "model": shape.name,
         "num_requests": n,
-        "config": asdict(cfg),
+        "config": {**asdict(cfg), "max_model_len": max_model_len, "max_num_batched_tokens": budget},
         "num_device_blocks": device,
         "num_host_blocks": host,
         "bytes_per_block": block_bytes,

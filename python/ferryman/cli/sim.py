@@ -1,12 +1,14 @@
-"""``ferryman sim`` flags and entry point."""
+"""``ferryman sim``: the real Rust scheduler against a GPU step-time model (``ferryman.sim``); the
+engine flags are ``SimConfig``'s fields, the scheduler's knobs shared with the Engine."""
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import fields
 from typing import Any
 
+from ferryman.engine_args import add_cli_args, from_cli
+from ferryman.report import print_report
 from ferryman.sim.presets import GPUS, MODEL_SHAPES, gpu, model_shape
 from ferryman.sim.simulator import SimConfig, simulate
 from ferryman.sim.sweep import parse_sweep, plot, sweep, table
@@ -14,7 +16,8 @@ from ferryman.sim.workload import from_json, synthetic
 from ferryman.trace import TraceWriter
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
+def register(sub: Any) -> None:
+    p = sub.add_parser("sim", help="the real scheduler against a GPU step-time model")
     p.add_argument("--gpu", default="h200", help=f"one of {sorted(GPUS)}")
     p.add_argument(
         "--model-shape", default="llama-3-8b", help=f"one of {sorted(MODEL_SHAPES)} or a config.json"
@@ -37,29 +40,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with")
     w.add_argument("--workload", default=None, help="a JSON trace instead of synthetic requests")
     w.add_argument("--seed", type=int, default=0)
-    e = p.add_argument_group("engine")
-    defaults = SimConfig()
-    for f in fields(SimConfig):
-        flag = "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
-        if isinstance(default, bool):
-            p.add_argument(
-                "--no-" + f.name.replace("_", "-").removeprefix("enable-"),
-                dest=f.name,
-                action="store_false",
-                default=default,
-            )
-        else:
-            kind: Any = (
-                type(default)
-                if default is not None
-                else (int if "blocks" in f.name or "len" in f.name else float)
-            )
-            e.add_argument(flag, type=kind, default=default)
+    add_cli_args(
+        p.add_argument_group("engine and cost model"),
+        SimConfig,
+        help_overrides={
+            "max_model_len": "longest prompt + output of a request (default: the workload's longest)",
+            "num_device_blocks": "device KV blocks (default: what the GPU's memory leaves after weights "
+            "and activations at gpu_memory_utilization)",
+        },
+    )
     p.add_argument("--trace", default=None, help="step trace (JSON lines, `ferryman plot` draws it)")
     p.add_argument("--sweep", default=None, metavar="KNOB=V1,V2,...", help="run once per value")
     p.add_argument("--plot", default=None, help="with --sweep: a PNG of throughput and TTFT per value")
     p.add_argument("--json", action="store_true", help="print JSON (one object, or one per sweep value)")
+    p.set_defaults(run=run)
 
 
 def _pairs(items: list[str]) -> dict[str, Any]:
@@ -78,7 +72,7 @@ def _pairs(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def main(a: argparse.Namespace) -> int:
+def run(a: argparse.Namespace) -> int:
     g = gpu(a.gpu, **_pairs(a.gpu_set))
     shape = model_shape(a.model_shape, **_pairs(a.shape_set))
     if a.workload:
@@ -95,7 +89,7 @@ def main(a: argparse.Namespace) -> int:
             vocab=shape.vocab_size,
             seed=a.seed,
         )
-    cfg = SimConfig(**{f.name: getattr(a, f.name) for f in fields(SimConfig)})
+    cfg = from_cli(SimConfig, a)
     if a.sweep:
         knob, values = parse_sweep(a.sweep)
         rows = sweep(g, shape, work, cfg, knob, values)
@@ -114,7 +108,5 @@ def main(a: argparse.Namespace) -> int:
     finally:
         if trace is not None:
             trace.close()
-    from ferryman.cli import print_report
-
     print_report(report, a.json)
     return 0

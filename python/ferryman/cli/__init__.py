@@ -1,0 +1,30 @@
+"""The ``ferryman`` command: ``serve``, ``generate``, ``chat``, ``bench throughput``, ``bench serve``,
+``sim`` and ``plot``, one module per command. Each module's ``register`` adds its sub-parser and
+sets ``run``, the function that takes the parsed flags and returns the exit status. Engine knobs
+are flags generated from ``EngineArgs`` (``ferryman.engine_args``); nothing outside this package
+imports it, so the command modules may import anything else."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ferryman.cli import bench, generate, plot, serve, sim
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ferryman", description="ferryman LLM serving engine")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for command in (serve, generate, bench, sim, plot):
+        command.register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    status: int = a.run(a)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

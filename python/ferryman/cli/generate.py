@@ -1,0 +1,125 @@
+"""``ferryman generate`` (complete prompts, optionally streamed) and ``ferryman chat`` (an
+interactive conversation through the model's chat template)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from ferryman.detokenizer import releasable
+from ferryman.engine_args import EngineArgs, add_cli_args, from_cli
+from ferryman.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ferryman.engine import Engine
+
+
+def register(sub: Any) -> None:
+    g = sub.add_parser("generate", help="complete prompts and print the text")
+    g.add_argument("prompt", nargs="+", help="one or more prompts")
+    add_cli_args(g.add_argument_group("engine"), EngineArgs)
+    _add_sampling_args(g, 64)
+    g.add_argument("--stream", action="store_true", help="print tokens as they come (one prompt at a time)")
+    g.set_defaults(run=run_generate)
+
+    c = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    add_cli_args(c.add_argument_group("engine"), EngineArgs)
+    _add_sampling_args(c, 256)
+    c.add_argument("--system", default=None, help="a system message")
+    c.set_defaults(run=run_chat)
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument(
+        "--max-tokens", type=int, default=max_tokens, help=f"tokens to generate (default: {max_tokens})"
+    )
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1, off)")
+    g.add_argument("--top-k", type=int, default=-1, help="keep the k likeliest tokens (default: -1, off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * max prob (default: 0)")
+    g.add_argument("--request-seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _sampling(a: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        min_p=a.min_p,
+        seed=a.request_seed,
+        max_tokens=a.max_tokens,
+        stop=a.stop,
+    )
+
+
+def _engine(a: argparse.Namespace) -> Engine:
+    from ferryman.engine import Engine
+
+    return Engine.from_engine_args(from_cli(EngineArgs, a))
+
+
+def run_generate(a: argparse.Namespace) -> int:
+    engine = _engine(a)
+    params = _sampling(a)
+    if a.stream:
+        for prompt in a.prompt:
+            sys.stdout.write(prompt)
+            for delta in stream(engine, prompt, params):
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+        return 0
+    for prompt, out in zip(a.prompt, engine.generate(a.prompt, params), strict=True):
+        sys.stdout.write(prompt + out.outputs[0].text + "\n")
+    return 0
+
+
+def stream(engine: Engine, prompt: str, params: SamplingParams) -> Iterator[str]:
+    """Yields the text of one request as the engine steps, holding back a possible stop string."""
+    rid = f"cli-{id(prompt)}"
+    engine.add_request(rid, prompt, params)
+    sent = 0
+    while engine.has_unfinished_requests():
+        for ro in engine.step():
+            o = ro.outputs[0]
+            end = releasable(o.text, sent, params.stop, ro.finished)
+            if end > sent:
+                yield o.text[sent:end]
+                sent = end
+            if ro.finished:
+                return
+
+
+def run_chat(a: argparse.Namespace) -> int:
+    engine = _engine(a)
+    tok = engine.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        print("this model has no chat template", file=sys.stderr)
+        return 2
+    history: list[dict[str, str]] = [{"role": "system", "content": a.system}] if a.system else []
+    params = _sampling(a)
+    print("ferryman chat: an empty line or Ctrl-D quits, /reset forgets the conversation", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        if line.strip() == "/reset":
+            history = history[:1] if a.system else []
+            continue
+        history.append({"role": "user", "content": line})
+        prompt = tok.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+        reply = []
+        for delta in stream(engine, prompt, params):
+            reply.append(delta)
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": "".join(reply)})
+    return 0

@@ -1,0 +1,239 @@
+"""Every engine setting, declared once: name, type, default, help and validation.
+
+``SchedulerArgs`` holds the knobs of the scheduler and the KV pools, which ``ferryman sim`` shares
+(``SimConfig`` extends it); ``EngineArgs`` adds what only a real engine has (the model, device,
+attention backend, seeds, calibration). ``Engine(**kwargs)`` builds an ``EngineArgs``; the CLI's
+engine flags are generated from the fields (``add_cli_args`` / ``from_cli``); the server is built
+from an ``EngineArgs``. A ``None`` default means "derived", and the help says from what.
+
+Invariant: an ``EngineArgs`` that exists is valid field by field (``__post_init__`` checks each
+value and raises ``InvalidRequestError``, a ``ValueError``, naming the field). Relations that
+need the model (``max_model_len`` against the model's context) are checked when the engine
+builds its ``SchedulerConfig``. This module imports no torch, so ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from ferryman._core import InvalidRequestError, SchedulerConfig
+
+DEFAULT_MODEL = "smollm2"
+
+_Check = Callable[[Any], str | None]  # None when the value is fine, else what is wrong
+
+
+def knob(
+    default: Any, help: str, *, choices: Iterable[str] | None = None, check: _Check | None = None
+) -> Any:
+    """A dataclass field carrying its help text, its allowed values and a validator."""
+    meta = {"help": help, "choices": tuple(choices) if choices else None, "check": check}
+    return field(default=default, metadata=meta)
+
+
+def at_least(lo: float) -> _Check:
+    return lambda v: None if v is None or v >= lo else f"must be >= {lo}"
+
+
+def in_unit_interval(v: float) -> str | None:
+    return None if 0 < v <= 1 else "must be in (0, 1]"
+
+
+def power_of_two(v: int) -> str | None:
+    return None if 0 < v <= 4096 and v & (v - 1) == 0 else "must be a power of two up to 4096"
+
+
+def _device_name(v: str) -> str | None:
+    head, _, index = v.partition(":")
+    ok = v in ("auto", "cpu") or (head == "cuda" and (not index or index.isdigit()))
+    return None if ok else "must be 'auto', 'cpu' or 'cuda[:N]'"
+
+
+@dataclass(kw_only=True)
+class SchedulerArgs:
+    """The scheduler's and the KV pools' knobs (vLLM's names)."""
+
+    block_size: int = knob(16, "tokens per KV block", check=power_of_two)
+    max_num_batched_tokens: int | None = knob(
+        None,
+        "token budget of one step (default: 8192 on CUDA and in the simulator, 2048 on CPU; "
+        "without chunked prefill at least max_model_len)",
+        check=at_least(1),
+    )
+    max_num_seqs: int = knob(256, "most sequences running at once", check=at_least(1))
+    max_model_len: int | None = knob(
+        None, "longest prompt + output of a request (default: the model's context)", check=at_least(1)
+    )
+    num_device_blocks: int | None = knob(
+        None,
+        "device KV blocks (default: profiled to gpu_memory_utilization on CUDA, kv_cache_memory on CPU)",
+        check=at_least(1),
+    )
+    num_host_blocks: int | None = knob(None, "host KV blocks (default: from swap_space)", check=at_least(0))
+    swap_space: float = knob(4.0, "host memory for swapped KV, GiB", check=at_least(0))
+    gpu_memory_utilization: float = knob(
+        0.9, "share of the GPU's memory for weights, activations and KV", check=in_unit_interval
+    )
+    preemption_mode: str = knob(
+        "auto",
+        "what happens to a preempted request's KV: recomputed later, swapped to host, or chosen per "
+        "victim by estimated cost",
+        choices=("recompute", "swap", "auto"),
+    )
+    policy: str = knob(
+        "fcfs", "admission and victim order: arrival, or the request's priority", choices=("fcfs", "priority")
+    )
+    enable_prefix_caching: bool = knob(True, "reuse KV blocks of identical prompt prefixes")
+    enable_chunked_prefill: bool = knob(True, "split long prompts across steps, beside decodes")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _validate(f, getattr(self, f.name), type(self))
+
+    def token_budget(self, device_type: str, max_model_len: int) -> int:
+        """``max_num_batched_tokens``, or its default for this device and context."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        budget = 8192 if device_type == "cuda" else 2048
+        return budget if self.enable_chunked_prefill else max(budget, max_model_len)
+
+    def scheduler_config(
+        self,
+        *,
+        num_device_blocks: int,
+        num_host_blocks: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        **cost_model: float,
+    ) -> SchedulerConfig:
+        """The core's config: these knobs plus the resolved sizes and the cost model's rates."""
+        return SchedulerConfig(
+            block_size=self.block_size,
+            num_device_blocks=num_device_blocks,
+            num_host_blocks=num_host_blocks,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            enable_prefix_caching=self.enable_prefix_caching,
+            preemption_mode=self.preemption_mode,
+            policy=self.policy,
+            **cost_model,
+        )
+
+
+@dataclass(kw_only=True)
+class EngineArgs(SchedulerArgs):
+    """Every knob of ``Engine``: the scheduler's plus the model, device and runner's."""
+
+    model: str = knob(
+        DEFAULT_MODEL, "'smollm2' (the embedded default), a .gguf file or a Hugging Face folder"
+    )
+    dtype: str = knob(
+        "auto",
+        "weights and KV dtype ('auto': bfloat16 on CUDA, float32 on CPU)",
+        choices=("auto", "float32", "float16", "bfloat16"),
+    )
+    device: str = knob("auto", "'auto' (CUDA when there is one), 'cpu' or 'cuda[:N]'", check=_device_name)
+    kv_cache_memory: int = knob(512 << 20, "device KV bytes when not profiled (CPU)", check=at_least(1))
+    attention_backend: str = knob(
+        "auto",
+        "paged attention: torch (the reference, CPU), flashinfer (CUDA), auto (flashinfer when available)",
+        choices=("auto", "torch", "flashinfer"),
+    )
+    enforce_eager: bool = knob(False, "never replay CUDA graphs for decode steps (FlashInfer on CUDA)")
+    seed: int = knob(0, "engine seed: sampling seeds of requests that bring none")
+    calibrate: bool = knob(True, "measure the host link and prefill rate at start-up for the cost model")
+
+
+def _types(cls: type, f: dataclasses.Field[Any]) -> tuple[type, bool]:
+    """The field's value type, and whether it may be None."""
+    hint = typing.get_type_hints(cls)[f.name]
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType) and type(None) in args:
+        (inner,) = [a for a in args if a is not type(None)]
+        return inner, True
+    return hint, False
+
+
+def _validate(f: dataclasses.Field[Any], v: Any, cls: type) -> None:
+    kind, optional = _types(cls, f)
+    bad: str | None = None
+    if v is None:
+        bad = None if optional else "must be set"
+    elif kind is bool:
+        bad = None if isinstance(v, bool) else "must be True or False"
+    elif kind is int:
+        bad = None if isinstance(v, int) and not isinstance(v, bool) else "must be an integer"
+    elif kind is float:
+        bad = None if isinstance(v, int | float) and not isinstance(v, bool) else "must be a number"
+    elif kind is str:
+        bad = None if isinstance(v, str) else "must be a string"
+    if bad is None and v is not None:
+        choices = f.metadata.get("choices")
+        if choices and v not in choices:
+            bad = f"must be one of {list(choices)}"
+        elif f.metadata.get("check"):
+            bad = f.metadata["check"](v)
+    if bad:
+        raise InvalidRequestError(f"{f.name} {bad}, got {v!r}")
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+A = TypeVar("A", bound=SchedulerArgs)
+
+
+def _flag(f: dataclasses.Field[Any]) -> str:
+    name = f.name.replace("_", "-")
+    if f.default is True:  # a switch that is on by default is turned off
+        return "--no-" + name.removeprefix("enable-")
+    return "--" + name
+
+
+def add_cli_args(
+    p: argparse.ArgumentParser | argparse._ArgumentGroup,
+    cls: type[SchedulerArgs] = EngineArgs,
+    *,
+    only: Iterable[str] | None = None,
+    help_overrides: Mapping[str, str] | None = None,
+) -> None:
+    """One flag per field of ``cls`` (or of the names in ``only``), ``cls``'s own fields first, with the
+    field's default and help: ``--max-num-seqs``, and ``--no-prefix-caching`` for a switch on by
+    default. ``help_overrides`` replaces a field's help where a command gives it another meaning."""
+    keep = set(only) if only is not None else None
+    own = inspect.get_annotations(cls)
+    ordered = sorted(dataclasses.fields(cls), key=lambda f: f.name not in own)  # cls's own first
+    for f in ordered:
+        if keep is not None and f.name not in keep:
+            continue
+        text = (help_overrides or {}).get(f.name, f.metadata["help"])
+        if isinstance(f.default, bool):
+            action = "store_false" if f.default else "store_true"
+            text += " (on by default; this flag turns it off)" if f.default else ""
+            p.add_argument(_flag(f), dest=f.name, action=action, default=f.default, help=text)
+            continue
+        kind, _ = _types(cls, f)
+        shown = "" if f.default is None else f" (default: {f.default})"
+        p.add_argument(
+            _flag(f),
+            dest=f.name,
+            type=kind,
+            default=f.default,
+            choices=f.metadata["choices"],
+            help=text + shown,
+        )
+
+
+def from_cli(cls: type[A], a: argparse.Namespace, **overrides: Any) -> A:
+    """The dataclass from parsed flags: each field the parser has, then ``overrides``."""
+    kw = {f.name: getattr(a, f.name) for f in dataclasses.fields(cls) if hasattr(a, f.name)}
+    kw.update(overrides)
+    return cls(**kw)

@@ -1,0 +1,111 @@
+"""Building an engine's parts from ``EngineArgs``: the device and dtype, the model and tokenizer,
+the KV pools (sized by profiling on CUDA, by ``kv_cache_memory`` on CPU, host pool by
+``swap_space``), the model runner, start-up calibration of the cost model, and the Rust
+``Scheduler`` configured with all of it. ``Engine`` owns the parts; this module only makes them.
+
+Invariant: the scheduler's pool sizes, block size and ``bytes_per_block`` are those of the
+``KvCache`` built here, so every block id the core hands out indexes a real KV block.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ferryman._core import Scheduler
+from ferryman.engine_args import EngineArgs
+from ferryman.model_loader import load_model
+from ferryman.models.llama import LlamaForCausalLM
+from ferryman.worker.calibrate import host_link_bytes_per_s, prefill_tokens_per_s, profile_kv_blocks
+from ferryman.worker.kv_cache import KvCache
+from ferryman.worker.model_runner import ModelRunner
+
+
+@dataclass(slots=True)
+class EngineParts:
+    device: torch.device
+    dtype: torch.dtype
+    model: LlamaForCausalLM
+    tokenizer: Any  # a transformers tokenizer, or None for a model without one
+    max_model_len: int
+    kv: KvCache
+    runner: ModelRunner
+    scheduler: Scheduler
+    calibration: dict[str, float]  # what start-up measured for the cost model
+    calibration_s: float
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+
+
+def build_parts(args: EngineArgs) -> EngineParts:
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    model, tokenizer = load_model(args.model, dtype, device)
+    mc, block_size = model.cfg, args.block_size
+    bpb = KvCache.bytes_per_block(mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, dtype)
+    max_model_len = args.max_model_len or mc.max_position_embeddings
+    budget = args.token_budget(device.type, max_model_len)
+    num_device_blocks = args.num_device_blocks
+    if num_device_blocks is None and device.type == "cuda":
+        num_device_blocks = profile_kv_blocks(
+            model, block_size, budget, bpb, args.gpu_memory_utilization, args.attention_backend
+        )
+    elif num_device_blocks is None:
+        num_device_blocks = max(1, args.kv_cache_memory // bpb)
+    num_host_blocks = args.num_host_blocks
+    if num_host_blocks is None:
+        num_host_blocks = int(args.swap_space * (1 << 30)) // bpb
+    kv = KvCache(
+        mc.num_layers,
+        num_device_blocks,
+        num_host_blocks,
+        block_size,
+        mc.num_kv_heads,
+        mc.head_dim,
+        dtype,
+        device,
+    )
+    runner = ModelRunner(
+        model,
+        kv,
+        block_size,
+        device,
+        args.attention_backend,
+        enforce_eager=args.enforce_eager,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=max_model_len,
+    )
+    calibration: dict[str, float] = {}
+    started = time.perf_counter()
+    if args.calibrate:
+        link = host_link_bytes_per_s(kv, bpb)
+        if link is not None:
+            calibration["host_link_bytes_per_s"] = link
+        calibration["prefill_tokens_per_s"] = prefill_tokens_per_s(runner, block_size, num_device_blocks)
+    calibration_s = time.perf_counter() - started
+    scheduler = Scheduler(
+        args.scheduler_config(
+            num_device_blocks=num_device_blocks,
+            num_host_blocks=num_host_blocks,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=budget,
+            bytes_per_block=float(bpb),
+            **calibration,
+        )
+    )
+    return EngineParts(
+        device, dtype, model, tokenizer, max_model_len, kv, runner, scheduler, calibration, calibration_s
+    )

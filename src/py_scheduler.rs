@@ -184,7 +184,7 @@ impl PyScheduler {
             .collect()
     }
 
-    /// Verifies the whole state (DESIGN.md §6); raises EngineError naming the first violation.
+    /// Verifies the whole state (docs/design.md §5); raises EngineError naming the first violation.
     fn check_invariants(&self) -> PyResult<()> {
         self.inner.check_invariants().map_err(to_pyerr)
     }

@@ -1,4 +1,4 @@
-//! `check_invariants()`: verifies the whole state against DESIGN.md §6. O(state); for tests and
+//! `check_invariants()`: verifies the whole state against docs/design.md §5. O(state); for tests and
 //! debugging, never on the hot path.
 
 use crate::block_pool::NULL_BLOCK;

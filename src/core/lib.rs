@@ -1,7 +1,7 @@
 //! ferryman-core: the scheduler and KV block manager of the ferryman serving engine. Pure Rust;
 //! the PyO3 binding lives in the parent crate.
 //!
-//! Glossary (DESIGN.md §3): a **request** (`req_id`) is a unit of work; a **block** holds the KV
+//! Glossary (docs/design.md §2): a **request** (`req_id`) is a unit of work; a **block** holds the KV
 //! of `block_size` tokens (FlashInfer's "page"); block 0 is `NULL_BLOCK`; a request's blocks are
 //! its `block_table`; a token's flat KV position is its **slot** = block * block_size + offset;
 //! `ref_cnt` counts the tables holding a block; queues are `waiting`, `running`, `swapped`;

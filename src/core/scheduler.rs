@@ -18,7 +18,7 @@
 //! by (priority, -num_preemptions, arrival). Waiting and swapped queues are kept in this order;
 //! victims come from the other end.
 //!
-//! Invariants (checked by `check_invariants`, DESIGN.md §6): every live request is in exactly
+//! Invariants (checked by `check_invariants`, docs/design.md §5): every live request is in exactly
 //! one queue matching its status; running requests hold device blocks only, swapped ones host
 //! blocks only, waiting ones none; the running forks never exceed `max_num_seqs`.
 

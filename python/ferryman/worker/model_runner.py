@@ -7,14 +7,19 @@ logits of ``logits_indices`` (a row repeats for n > 1). With FlashInfer and with
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from ferryman._core import SchedulerOutput
-from ferryman.attention import TorchAttentionBackend
+from ferryman.attention.base import AttentionBackend
+from ferryman.attention.flashinfer_backend import FlashInferBackend, flashinfer_available
+from ferryman.attention.torch_backend import TorchAttentionBackend
 from ferryman.models.llama import LlamaForCausalLM
 from ferryman.worker.kv_cache import KvCache
+
+if TYPE_CHECKING:
+    from ferryman.worker.cuda_graph import DecodeGraphs
 
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 
@@ -45,30 +50,26 @@ class ModelRunner:
             )
         use_fi = False
         if attention_backend == "flashinfer" or (attention_backend == "auto" and device.type == "cuda"):
-            from ferryman.attention.flashinfer_backend import flashinfer_available
-
             use_fi = device.type == "cuda" and flashinfer_available()
             if attention_backend == "flashinfer" and not use_fi:
                 need = "a CUDA device and FlashInfer (pip install ferryman[gpu])"
                 raise ValueError(f"attention_backend='flashinfer' needs {need}")
-        self.attn: Any
+        self.attn: AttentionBackend
+        layers = kv.layers()
+        fi: FlashInferBackend | None = None
         if use_fi:
-            from ferryman.attention.flashinfer_backend import FlashInferBackend
-
-            self.attn = FlashInferBackend(
-                kv, block_size, scale, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-            )
+            fi = FlashInferBackend(layers, block_size, scale, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+            self.attn = fi
         else:
-            self.attn = TorchAttentionBackend(kv.device_kv, block_size, scale=scale)
+            self.attn = TorchAttentionBackend(layers, block_size, scale=scale)
         self.attention_backend = "flashinfer" if use_fi else "torch"
-        self.graphs: Any = None  # DecodeGraphs where CUDA graphs are on
+        self.graphs: DecodeGraphs | None = None  # where CUDA graphs are on
         self.num_graph_steps = 0
-        if use_fi and not enforce_eager:
+        if fi is not None and not enforce_eager:
             from ferryman.worker.cuda_graph import DecodeGraphs, capture_sizes
 
-            sizes = capture_sizes(max_num_seqs)
             pages = -(-max_model_len // block_size)
-            self.graphs = DecodeGraphs(model, kv, block_size, scale, sizes, pages, self.attn.workspace)
+            self.graphs = DecodeGraphs(fi, model, capture_sizes(max_num_seqs), pages)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:

@@ -244,6 +244,32 @@ def test_cpu_runner_picks_torch_and_flashinfer_needs_a_gpu(tmp_path: Path) -> No
         Engine(path, block_size=4, num_device_blocks=8, calibrate=False, attention_backend="triton")
 
 
+def test_selector_gives_torch_on_cpu_and_refuses_flashinfer_there() -> None:
+    import sys
+
+    from ferryman.attention.selector import backend_name, select_backend
+    from ferryman.worker.kv_cache import KvCache
+
+    cpu = torch.device("cpu")
+    kv = KvCache(2, 4, 0, 4, 1, 2, torch.float32, cpu)
+    shape = {"block_size": 4, "scale": 0.5, "num_qo_heads": 2, "num_kv_heads": 1, "head_dim": 2}
+    assert [backend_name(n, cpu) for n in ("auto", "torch")] == ["torch", "torch"]
+    backend = select_backend("auto", cpu, kv.layers(), **shape)
+    assert isinstance(backend, TorchAttentionBackend) and (backend.bs, backend.scale) == (4, 0.5)
+    assert [t.data_ptr() for t in backend.layers] == [kv.device_kv[:, i].data_ptr() for i in range(2)]
+    need = (
+        r"^attention_backend='flashinfer' needs a CUDA device and FlashInfer \(pip install ferryman\[gpu\]\)$"
+    )
+    with pytest.raises(ValueError, match=need):
+        select_backend("flashinfer", cpu, kv.layers(), **shape)
+    with pytest.raises(
+        ValueError,
+        match=r"^attention_backend must be one of \('auto', 'torch', 'flashinfer'\), got 'triton'$",
+    ):
+        backend_name("triton", cpu)
+    assert "flashinfer" not in sys.modules  # on a CPU device the rule never looks for it
+
+
 def test_gpu_benchmark_script_dry_runs_on_cpu() -> None:
     """benchmarks/gpu_bench.py is what scripts/gpu_check.sh runs on a GPU; its --smoke mode runs
     every code path on CPU with a tiny model, so the script cannot rot while no GPU is around."""

@@ -4,5 +4,6 @@ this one's imports first:
 - ``base``: the ``AttentionBackend`` protocol and ``KvWriter``, the one K/V write by slot;
 - ``torch_backend``: ``TorchAttentionBackend``, the CPU path and the reference the GPU backend
   is checked against;
-- ``flashinfer_backend``: ``FlashInferBackend``, the GPU path (FlashInfer imported lazily).
+- ``flashinfer_backend``: ``FlashInferBackend``, the GPU path (FlashInfer imported lazily);
+- ``selector``: ``select_backend``, the "auto" / "torch" / "flashinfer" rule.
 """

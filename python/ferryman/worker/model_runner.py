@@ -13,15 +13,13 @@ import torch
 
 from ferryman._core import SchedulerOutput
 from ferryman.attention.base import AttentionBackend
-from ferryman.attention.flashinfer_backend import FlashInferBackend, flashinfer_available
-from ferryman.attention.torch_backend import TorchAttentionBackend
+from ferryman.attention.flashinfer_backend import FlashInferBackend
+from ferryman.attention.selector import select_backend
 from ferryman.models.llama import LlamaForCausalLM
 from ferryman.worker.kv_cache import KvCache
 
 if TYPE_CHECKING:
     from ferryman.worker.cuda_graph import DecodeGraphs
-
-ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 
 
 class ModelRunner:
@@ -37,32 +35,25 @@ class ModelRunner:
         max_model_len: int = 8192,
     ) -> None:
         """``attention_backend``: "torch" (the reference; the CPU path), "flashinfer" (CUDA and
-        ``ferryman[gpu]``), or "auto" (FlashInfer when both are there, else torch)."""
+        ``ferryman[gpu]``), or "auto" (FlashInfer when both are there, else torch); see
+        ``attention/selector.py``."""
         self.model = model
         self.kv = kv
         model.pack_cpu_weights()  # CPU float32 only; a no-op elsewhere
         self.device = device
         cfg = model.cfg
-        scale = cfg.head_dim**-0.5
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}"
-            )
-        use_fi = False
-        if attention_backend == "flashinfer" or (attention_backend == "auto" and device.type == "cuda"):
-            use_fi = device.type == "cuda" and flashinfer_available()
-            if attention_backend == "flashinfer" and not use_fi:
-                need = "a CUDA device and FlashInfer (pip install ferryman[gpu])"
-                raise ValueError(f"attention_backend='flashinfer' needs {need}")
-        self.attn: AttentionBackend
-        layers = kv.layers()
-        fi: FlashInferBackend | None = None
-        if use_fi:
-            fi = FlashInferBackend(layers, block_size, scale, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-            self.attn = fi
-        else:
-            self.attn = TorchAttentionBackend(layers, block_size, scale=scale)
-        self.attention_backend = "flashinfer" if use_fi else "torch"
+        self.attn: AttentionBackend = select_backend(
+            attention_backend,
+            device,
+            kv.layers(),
+            block_size=block_size,
+            scale=cfg.head_dim**-0.5,
+            num_qo_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+        )
+        fi = self.attn if isinstance(self.attn, FlashInferBackend) else None
+        self.attention_backend = "torch" if fi is None else "flashinfer"
         self.graphs: DecodeGraphs | None = None  # where CUDA graphs are on
         self.num_graph_steps = 0
         if fi is not None and not enforce_eager:

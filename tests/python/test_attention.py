@@ -153,7 +153,7 @@ def test_flashinfer_plan_metadata_from_the_core_arrays() -> None:
 
 
 def test_cuda_graph_sizes_and_the_size_a_batch_runs_on() -> None:
-    from ferryman.worker.cuda_graph import capture_sizes, graph_size
+    from ferryman.attention.flashinfer_graphs import capture_sizes, graph_size
 
     assert capture_sizes(256) == [1, 2, 4, 8, *range(16, 257, 16)]
     assert capture_sizes(5) == [1, 2, 4, 5]
@@ -167,7 +167,7 @@ def test_cuda_graph_sizes_and_the_size_a_batch_runs_on() -> None:
 def test_graph_padding_keeps_the_step_and_pads_on_the_null_block() -> None:
     """The host side of a CUDA-graph replay: the real rows unchanged, and every dummy row one
     token on page 0 (the null block, which no request owns), writing slot 0."""
-    from ferryman.worker.cuda_graph import pad_decode
+    from ferryman.attention.flashinfer_graphs import pad_decode
 
     bs = 4
     s = Scheduler(
@@ -201,7 +201,7 @@ def test_graph_attention_writes_kv_where_the_static_slots_say_at_each_call() -> 
     must come from the buffer inside the forward, at every call. The wrapper here only hands back
     q: what is checked is the K/V write that precedes it."""
     from ferryman.attention.flashinfer_backend import PlanArgs
-    from ferryman.worker.cuda_graph import _GraphAttention
+    from ferryman.attention.flashinfer_graphs import _GraphAttention
     from ferryman.worker.kv_cache import KvCache
 
     class Identity:

@@ -5,5 +5,6 @@ this one's imports first:
 - ``torch_backend``: ``TorchAttentionBackend``, the CPU path and the reference the GPU backend
   is checked against;
 - ``flashinfer_backend``: ``FlashInferBackend``, the GPU path (FlashInfer imported lazily);
+- ``flashinfer_graphs``: ``DecodeGraphs``, decode-only steps of the GPU path as CUDA graphs;
 - ``selector``: ``select_backend``, the "auto" / "torch" / "flashinfer" rule.
 """

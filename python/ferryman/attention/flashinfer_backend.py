@@ -9,7 +9,7 @@ token uses the decode wrapper (tensor cores, GQA native); any step with a prefil
 prefill wrapper with ``causal=True``, whose mask is bottom-right aligned as chunked prefill over
 cached context needs. New K/V are written through ``slot_mapping`` (``KvWriter``) into the layer's
 view of the block-major cache (FlashInfer accepts the block stride). ``PlanArgs`` and
-``run_planned`` are shared with the CUDA-graph decode path (``worker/cuda_graph.py``).
+``run_planned`` are shared with the CUDA-graph decode path (``attention/flashinfer_graphs.py``).
 
 ``tests/gpu`` checks it against the torch reference through chunked prefill, decode and swap;
 ``plan_metadata`` is pure and tested on CPU.

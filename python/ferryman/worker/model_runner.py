@@ -3,23 +3,19 @@
 Order within a step: the swap/copy plans, then the attention plan, then the forward, then the
 logits of ``logits_indices`` (a row repeats for n > 1). With FlashInfer and without
 ``enforce_eager``, a decode-only step that fits a captured batch size replays a CUDA graph
-(``worker/cuda_graph.py``) instead of the eager plan + forward."""
+(``attention/flashinfer_graphs.py``) instead of the eager plan + forward."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 
 from ferryman._core import SchedulerOutput
 from ferryman.attention.base import AttentionBackend
 from ferryman.attention.flashinfer_backend import FlashInferBackend
+from ferryman.attention.flashinfer_graphs import DecodeGraphs, capture_sizes
 from ferryman.attention.selector import select_backend
 from ferryman.models.llama import LlamaForCausalLM
 from ferryman.worker.kv_cache import KvCache
-
-if TYPE_CHECKING:
-    from ferryman.worker.cuda_graph import DecodeGraphs
 
 
 class ModelRunner:
@@ -57,8 +53,6 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # where CUDA graphs are on
         self.num_graph_steps = 0
         if fi is not None and not enforce_eager:
-            from ferryman.worker.cuda_graph import DecodeGraphs, capture_sizes
-
             pages = -(-max_model_len // block_size)
             self.graphs = DecodeGraphs(fi, model, capture_sizes(max_num_seqs), pages)
 

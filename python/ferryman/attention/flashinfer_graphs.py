@@ -3,7 +3,8 @@
 Owns the batch sizes captured, one graph per size (all sharing one memory pool), the static
 input buffers the graphs read, and one FlashInfer decode wrapper per size in its CUDA-graph mode
 (a wrapper's batch size is fixed for its life). A decode-only step of B rows runs on the smallest
-captured size >= B; larger or mixed steps run eager.
+captured size >= B; larger or mixed steps run eager. Built from a ``FlashInferBackend`` (its
+layer views, workspace and ``PlanArgs``) and the model's forward as a callable.
 
 Padding: rows B..size-1 are dummies that own nothing. Each reads one page, the null block (page
 0, one entry), and writes its K/V to slot 0 of the null block; no request ever owns block 0, and
@@ -12,11 +13,14 @@ the torch backend never runs with graphs). Their outputs are dropped.
 
 Invariants: graphs are captured after the KV pool is allocated (they hold its address); every
 replay is preceded by that size's ``plan()`` with the step's page table (host-side; its inputs
-are already on the device, so planning does not wait for the GPU); the host -> device copies of a
-step go through freshly pinned tensors, so a copy still in flight never has its source rewritten.
+are already on the device, so planning does not wait for the GPU); (block, offset) of the K/V
+write is computed from the static slot buffer inside the captured forward, so each replay writes
+at its own step's slots; the host -> device copies of a step go through freshly pinned tensors,
+so a copy still in flight never has its source rewritten.
 
-``capture_sizes``, ``graph_size`` and ``pad_decode`` are pure and tested on CPU; capture and
-replay run only on CUDA and are checked against eager in ``tests/gpu`` (passed on an H200).
+``capture_sizes``, ``graph_size`` and ``pad_decode`` are pure and tested on CPU, and so is the
+K/V write of a captured size's attention; capture and replay run only on CUDA and are checked
+against eager in ``tests/gpu``.
 """
 
 from __future__ import annotations
@@ -142,8 +146,8 @@ class DecodeGraphs:
         dev = backend.device
         self.sizes = sizes
         top = sizes[-1]
-        self._inputs = inputs = torch.zeros((3, top), dtype=torch.long, device=dev)  # ids, positions, slots
-        self._indices = indices = torch.zeros(top * max_pages_per_row + top, dtype=torch.int32, device=dev)
+        self._inputs = torch.zeros((3, top), dtype=torch.long, device=dev)  # ids, positions, slots
+        self._indices = torch.zeros(top * max_pages_per_row + top, dtype=torch.int32, device=dev)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, _GraphAttention, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(sizes):  # largest first, so the smaller ones reuse its pool memory
@@ -153,10 +157,10 @@ class DecodeGraphs:
                 use_cuda_graph=True,
                 use_tensor_cores=True,
                 paged_kv_indptr_buffer=torch.zeros(size + 1, dtype=torch.int32, device=dev),
-                paged_kv_indices_buffer=indices,
+                paged_kv_indices_buffer=self._indices,
                 paged_kv_last_page_len_buffer=torch.zeros(size, dtype=torch.int32, device=dev),
             )
-            attn = _GraphAttention(backend.layers, wrapper, inputs[:, :size], backend.args)
+            attn = _GraphAttention(backend.layers, wrapper, self._inputs[:, :size], backend.args)
             attn.stage(pad_decode(_EmptyStep(), size))
             ids, pos = attn.inputs[0], attn.inputs[1]
             side = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]

@@ -131,9 +131,8 @@ class FlashInferBackend:
         self.writer.write(self.layers[layer_idx], k, v)
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cache = self.layers[layer_idx]
-        self.writer.write(cache, k, v)
-        return run_planned(self._wrapper, cache, q)
+        self.write_kv(layer_idx, k, v)
+        return run_planned(self._wrapper, self.layers[layer_idx], q)
 
 
 def flashinfer_available() -> bool:

@@ -126,9 +126,8 @@ class _GraphAttention:
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if layer_idx == 0:
             self.writer.map(self.inputs[2])
-        cache = self.layers[layer_idx]
-        self.writer.write(cache, k, v)
-        return run_planned(self.wrapper, cache, q)
+        self.write_kv(layer_idx, k, v)
+        return run_planned(self.wrapper, self.layers[layer_idx], q)
 
 
 StepForward = Callable[[torch.Tensor, torch.Tensor, AttentionBackend], torch.Tensor]

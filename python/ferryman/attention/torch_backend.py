@@ -77,8 +77,8 @@ class TorchAttentionBackend:
         self.writer.write(self.layers[layer_idx], k, v)
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.write_kv(layer_idx, k, v)
         cache = self.layers[layer_idx]
-        self.writer.write(cache, k, v)
         out = torch.empty_like(q)
         nq, nkv, d = q.shape[1], k.shape[1], q.shape[2]
         keys_all, vals_all = cache[:, 0], cache[:, 1]  # [num_blocks, bs, Hkv, D] views

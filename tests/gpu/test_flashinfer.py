@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ferryman import Scheduler, SchedulerConfig
-from ferryman.attention import TorchAttentionBackend
+from ferryman.attention.torch_backend import TorchAttentionBackend
 
 pytestmark = pytest.mark.gpu
 
@@ -125,8 +125,8 @@ def test_flashinfer_backend_matches_the_torch_reference() -> None:
         s.add_request(r, [1000 * r + t for t in range(1, p + 1)], n, ignore_eos=True)
     kv_fi = KvCache(layers, 64, 0, bs, hkv, d, dt, dev)
     kv_ref = KvCache(layers, 64, 0, bs, hkv, d, dt, dev)
-    fi = FlashInferBackend(kv_fi, bs, d**-0.5, hq, hkv, d)
-    ref = TorchAttentionBackend(kv_ref.device_kv, bs, d**-0.5)
+    fi = FlashInferBackend(kv_fi.layers(), bs, d**-0.5, hq, hkv, d)
+    ref = TorchAttentionBackend(kv_ref.layers(), bs, d**-0.5)
     steps = 0
     while s.has_unfinished_requests():
         out = s.schedule()

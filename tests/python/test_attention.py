@@ -11,8 +11,7 @@ import torch
 from tiny_models import dense_causal
 
 from ferryman import Scheduler, SchedulerConfig
-from ferryman.attention import TorchAttentionBackend
-from ferryman.attention.torch_backend import DECODE_GROUP
+from ferryman.attention.torch_backend import DECODE_GROUP, TorchAttentionBackend
 
 MANY = {r: (3 + 3 * r, 24) for r in range(13)}  # 13 decode rows at once: two length-sorted groups
 
@@ -35,7 +34,7 @@ def test_chunked_prefill_and_decode_match_dense_causal_attention(lens: dict[int,
     for r, (p, n) in lens.items():
         s.add_request(r, [100 * r + t for t in range(1, p + 1)], n, ignore_eos=True)  # no shared prefix
     kv = torch.zeros(161, layers, 2, bs, hkv, d)  # block-major, as KvCache lays it out
-    backend = TorchAttentionBackend(kv, bs, scale=d**-0.5)
+    backend = TorchAttentionBackend([kv[:, i] for i in range(layers)], bs, scale=d**-0.5)
     got = {r: [torch.full((p + n, hq, d), float("nan")) for _ in range(layers)] for r, (p, n) in lens.items()}
     chunked, most_decodes = False, 0
     while s.has_unfinished_requests():
@@ -64,6 +63,29 @@ def test_chunked_prefill_and_decode_match_dense_causal_attention(lens: dict[int,
             torch.testing.assert_close(got[r][layer][:m], want, rtol=1e-5, atol=1e-5)
 
 
+def test_kv_writer_writes_each_slot_at_its_block_and_offset() -> None:
+    """The one K/V write every backend and the CUDA-graph path use: slot s of the step lands at
+    block s // block_size, offset s % block_size of the layer's view, cast to the cache's dtype,
+    and nothing else in the pool changes."""
+    from ferryman.attention.base import KvWriter
+    from ferryman.worker.kv_cache import KvCache
+
+    bs, hkv, d = 4, 2, 3
+    kv = KvCache(3, 6, 0, bs, hkv, d, torch.float16, torch.device("cpu"))
+    writer = KvWriter(bs, torch.device("cpu"))
+    slots = [5, 4 * 3 + 3, 4 * 6]  # (1, 1), (3, 3), (6, 0)
+    writer.map(torch.tensor(slots))
+    assert writer.blk.tolist() == [1, 3, 6] and writer.off.tolist() == [1, 3, 0]
+    k = torch.arange(3 * hkv * d, dtype=torch.float32).view(3, hkv, d) + 0.25
+    v = -k
+    writer.write(kv.layers()[2], k, v)
+    assert kv.device_kv.dtype == torch.float16
+    for i, (blk, off) in enumerate([(1, 1), (3, 3), (6, 0)]):
+        assert torch.equal(kv.device_kv[blk, 2, 0, off], k[i].half())
+        assert torch.equal(kv.device_kv[blk, 2, 1, off], v[i].half())
+    assert kv.device_kv.count_nonzero() == 2 * k.count_nonzero()  # nothing else was written
+
+
 def test_contiguous_runs_group_block_pairs() -> None:
     from ferryman.worker.kv_cache import contiguous_runs
 
@@ -87,7 +109,7 @@ def test_run_grouped_swaps_move_exactly_the_planned_blocks() -> None:
     for (_, d), src in zip(back.tolist(), [2, 3, 4, 9, 6], strict=True):
         assert torch.equal(kv.device_kv[d], before[src])
     assert torch.equal(kv.device_kv[4], before[9])  # the copy ran after the swap-in
-    assert torch.equal(kv.layer(1)[10], before[2, 1])  # a layer view sees the same memory
+    assert torch.equal(kv.layers()[1][10], before[2, 1])  # a layer view sees the same memory
 
 
 def test_a_swap_out_overlaps_the_forward_only_when_the_step_writes_none_of_its_blocks() -> None:
@@ -131,7 +153,7 @@ def test_flashinfer_plan_metadata_from_the_core_arrays() -> None:
 
 
 def test_cuda_graph_sizes_and_the_size_a_batch_runs_on() -> None:
-    from ferryman.worker.cuda_graph import capture_sizes, graph_size
+    from ferryman.attention.flashinfer_graphs import capture_sizes, graph_size
 
     assert capture_sizes(256) == [1, 2, 4, 8, *range(16, 257, 16)]
     assert capture_sizes(5) == [1, 2, 4, 5]
@@ -145,7 +167,7 @@ def test_cuda_graph_sizes_and_the_size_a_batch_runs_on() -> None:
 def test_graph_padding_keeps_the_step_and_pads_on_the_null_block() -> None:
     """The host side of a CUDA-graph replay: the real rows unchanged, and every dummy row one
     token on page 0 (the null block, which no request owns), writing slot 0."""
-    from ferryman.worker.cuda_graph import pad_decode
+    from ferryman.attention.flashinfer_graphs import pad_decode
 
     bs = 4
     s = Scheduler(
@@ -176,9 +198,10 @@ def test_graph_padding_keeps_the_step_and_pads_on_the_null_block() -> None:
 
 def test_graph_attention_writes_kv_where_the_static_slots_say_at_each_call() -> None:
     """A captured graph replays with new contents in the same slot buffer, so (block, offset)
-    must come from the buffer inside the forward (the H200 check found them frozen at capture).
-    The wrapper here only hands back q: what is checked is the K/V write that precedes it."""
-    from ferryman.worker.cuda_graph import _GraphAttention
+    must come from the buffer inside the forward, at every call. The wrapper here only hands back
+    q: what is checked is the K/V write that precedes it."""
+    from ferryman.attention.flashinfer_backend import PlanArgs
+    from ferryman.attention.flashinfer_graphs import _GraphAttention
     from ferryman.worker.kv_cache import KvCache
 
     class Identity:
@@ -186,17 +209,18 @@ def test_graph_attention_writes_kv_where_the_static_slots_say_at_each_call() -> 
             return q
 
     kv = KvCache(2, 4, 0, 4, 1, 2, torch.float32, torch.device("cpu"))
-    slots = torch.tensor([5], dtype=torch.long)  # block 1, offset 1
-    attn = _GraphAttention(kv, Identity(), slots, 4)
+    inputs = torch.zeros((3, 1), dtype=torch.long)  # ids, positions, slots of a size-1 graph
+    attn = _GraphAttention(kv.layers(), Identity(), inputs, PlanArgs(1, 1, 2, 4, torch.float32, 1.0))
     q = torch.zeros(1, 1, 2)
-    for slot, value in ((5, 1.0), (14, 2.0)):  # then block 3, offset 2
-        slots.copy_(torch.tensor([slot]))
+    for slot, value in ((5, 1.0), (14, 2.0)):  # block 1, offset 1; then block 3, offset 2
+        inputs[2, 0] = slot
         k, v = torch.full((1, 1, 2), value), torch.full((1, 1, 2), -value)
         for layer in range(2):
-            attn.forward(layer, q, k, v)
-            assert torch.equal(kv.layer(layer)[slot // 4, 0, slot % 4], k[0])
-            assert torch.equal(kv.layer(layer)[slot // 4, 1, slot % 4], v[0])
-    assert kv.layer(0)[1, 0, 1, 0, 0] == 1.0  # the first write stayed where it went
+            assert torch.equal(attn.forward(layer, q, k, v), q)
+            assert torch.equal(kv.layers()[layer][slot // 4, 0, slot % 4], k[0])
+            assert torch.equal(kv.layers()[layer][slot // 4, 1, slot % 4], v[0])
+    assert kv.layers()[0][1, 0, 1, 0, 0] == 1.0  # the first write stayed where it went
+    assert kv.device_kv.count_nonzero() == 2 * 2 * 2 * 2  # 2 steps x 2 layers x K,V x D
 
 
 def test_cpu_runner_picks_torch_and_flashinfer_needs_a_gpu(tmp_path: Path) -> None:
@@ -218,6 +242,32 @@ def test_cpu_runner_picks_torch_and_flashinfer_needs_a_gpu(tmp_path: Path) -> No
         Engine(path, block_size=4, num_device_blocks=8, calibrate=False, attention_backend="flashinfer")
     with pytest.raises(ValueError, match="attention_backend"):
         Engine(path, block_size=4, num_device_blocks=8, calibrate=False, attention_backend="triton")
+
+
+def test_selector_gives_torch_on_cpu_and_refuses_flashinfer_there() -> None:
+    import sys
+
+    from ferryman.attention.selector import backend_name, select_backend
+    from ferryman.worker.kv_cache import KvCache
+
+    cpu = torch.device("cpu")
+    kv = KvCache(2, 4, 0, 4, 1, 2, torch.float32, cpu)
+    shape = {"block_size": 4, "scale": 0.5, "num_qo_heads": 2, "num_kv_heads": 1, "head_dim": 2}
+    assert [backend_name(n, cpu) for n in ("auto", "torch")] == ["torch", "torch"]
+    backend = select_backend("auto", cpu, kv.layers(), **shape)
+    assert isinstance(backend, TorchAttentionBackend) and (backend.bs, backend.scale) == (4, 0.5)
+    assert [t.data_ptr() for t in backend.layers] == [kv.device_kv[:, i].data_ptr() for i in range(2)]
+    need = (
+        r"^attention_backend='flashinfer' needs a CUDA device and FlashInfer \(pip install ferryman\[gpu\]\)$"
+    )
+    with pytest.raises(ValueError, match=need):
+        select_backend("flashinfer", cpu, kv.layers(), **shape)
+    with pytest.raises(
+        ValueError,
+        match=r"^attention_backend must be one of \('auto', 'torch', 'flashinfer'\), got 'triton'$",
+    ):
+        backend_name("triton", cpu)
+    assert "flashinfer" not in sys.modules  # on a CPU device the rule never looks for it
 
 
 def test_gpu_benchmark_script_dry_runs_on_cpu() -> None:

@@ -1,28 +1,30 @@
 """FlashInfer paged attention, the GPU path (``pip install ferryman[gpu]``; imported lazily, only
 when this backend is built, so the CPU path never touches it).
 
-The same protocol as ``TorchAttentionBackend``: ``plan(out)`` once per step, ``forward(layer, q,
+An ``AttentionBackend`` (``attention/base.py``): ``plan(out)`` once per step, ``forward(layer, q,
 k, v)`` per layer. ``plan`` hands FlashInfer the core's arrays as they are: host-side int32
 ``qo_indptr``, ``kv_indptr``, ``kv_indices`` and ``kv_last_page_len`` (pinned, so planning does
 not sync the GPU; FlashInfer reads the indptrs on the host). A step where every row computes one
 token uses the decode wrapper (tensor cores, GQA native); any step with a prefill chunk uses the
 prefill wrapper with ``causal=True``, whose mask is bottom-right aligned as chunked prefill over
-cached context needs. New K/V are written through ``slot_mapping`` into the layer's block view of
-the block-major cache (FlashInfer accepts the block stride).
+cached context needs. New K/V are written through ``slot_mapping`` (``KvWriter``) into the layer's
+view of the block-major cache (FlashInfer accepts the block stride). ``PlanArgs`` and
+``run_planned`` are shared with the CUDA-graph decode path (``attention/flashinfer_graphs.py``).
 
-``tests/gpu`` checks it against the torch reference (passed on an H200: relative logit error
-3e-3 through chunked prefill, decode and swap). ``plan_metadata`` is pure and tested on CPU.
+``tests/gpu`` checks it against the torch reference through chunked prefill, decode and swap;
+``plan_metadata`` is pure and tested on CPU.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ferryman._core import SchedulerOutput
-from ferryman.worker.kv_cache import KvCache
+from ferryman.attention.base import KvWriter
 
 WORKSPACE_BYTES = 256 << 20  # vLLM's size; shared by the two wrappers, which never overlap
 
@@ -54,71 +56,83 @@ def plan_metadata(out: SchedulerOutput, pin: bool = False) -> PlanMetadata:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class PlanArgs:
+    """What every FlashInfer ``plan()`` call of one model takes besides its page table."""
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype  # of q and of the KV cache
+    scale: float
+
+    def plan_decode(
+        self, wrapper: Any, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor
+    ) -> None:
+        wrapper.plan(kv_indptr, kv_indices, kv_last_page_len, *self._shape(), **self._types())
+
+    def plan_prefill(self, wrapper: Any, m: PlanMetadata) -> None:
+        """Causal: FlashInfer aligns the mask bottom-right, as chunked prefill over cached context
+        needs."""
+        page_table = (m.qo_indptr, m.kv_indptr, m.kv_indices, m.kv_last_page_len)
+        wrapper.plan(*page_table, *self._shape(), causal=True, **self._types())
+
+    def _shape(self) -> tuple[int, int, int, int]:
+        return self.num_qo_heads, self.num_kv_heads, self.head_dim, self.block_size
+
+    def _types(self) -> dict[str, Any]:
+        return {"q_data_type": self.dtype, "kv_data_type": self.dtype, "sm_scale": self.scale}
+
+
+def run_planned(wrapper: Any, cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The planned wrapper over one layer's cache view, q cast to the cache's dtype and the
+    output back to q's; no host sync, so CUDA graphs can capture it."""
+    out: torch.Tensor = wrapper.run(q.to(cache.dtype), cache)
+    return out.to(q.dtype)
+
+
 class FlashInferBackend:
     def __init__(
-        self, kv: KvCache, block_size: int, scale: float, num_qo_heads: int, num_kv_heads: int, head_dim: int
+        self,
+        kv_layers: Sequence[torch.Tensor],
+        block_size: int,
+        scale: float,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
     ) -> None:
+        """``kv_layers``: each layer's ``[num_blocks, 2, block_size, Hkv, D]`` cache view."""
         import flashinfer
 
-        self.kv = kv
-        self.bs = block_size
-        self.scale = scale
-        self.heads = (num_qo_heads, num_kv_heads, head_dim)
-        self.dtype = kv.device_kv.dtype
-        device = kv.device_kv.device
+        self.layers = list(kv_layers)
+        self.device = device = self.layers[0].device
+        self.args = PlanArgs(num_qo_heads, num_kv_heads, head_dim, block_size, self.layers[0].dtype, scale)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)  # graphs share it
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="NHD")
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, kv_layout="NHD", use_tensor_cores=True
         )
         self._wrapper: Any = self._decode
-        self._blk = torch.empty(0, dtype=torch.long, device=device)
-        self._off = torch.empty(0, dtype=torch.long, device=device)
+        self.writer = KvWriter(block_size, device)
 
     def plan(self, out: SchedulerOutput) -> None:
         m = plan_metadata(out, pin=True)
-        device = self.kv.device_kv.device
-        slots = torch.from_numpy(out.slot_mapping).pin_memory().to(device, non_blocking=True)
-        self._blk, self._off = slots // self.bs, slots % self.bs
-        hq, hkv, d = self.heads
-        kw = {"q_data_type": self.dtype, "kv_data_type": self.dtype, "sm_scale": self.scale}
+        slots = torch.from_numpy(out.slot_mapping).pin_memory().to(self.device, non_blocking=True)
+        self.writer.map(slots)
         if m.decode_only:
-            self._decode.plan(m.kv_indptr, m.kv_indices, m.kv_last_page_len, hq, hkv, d, self.bs, **kw)
+            self.args.plan_decode(self._decode, m.kv_indptr, m.kv_indices, m.kv_last_page_len)
             self._wrapper = self._decode
         else:
-            self._prefill.plan(
-                m.qo_indptr,
-                m.kv_indptr,
-                m.kv_indices,
-                m.kv_last_page_len,
-                hq,
-                hkv,
-                d,
-                self.bs,
-                causal=True,
-                **kw,
-            )
+            self.args.plan_prefill(self._prefill, m)
             self._wrapper = self._prefill
 
+    def write_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.writer.write(self.layers[layer_idx], k, v)
+
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return write_and_attend(self.kv.layer(layer_idx), self._blk, self._off, self._wrapper, q, k, v)
-
-
-def write_and_attend(
-    cache: torch.Tensor,
-    blk: torch.Tensor,
-    off: torch.Tensor,
-    wrapper: Any,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-) -> torch.Tensor:
-    """Writes the step's K/V into one layer's ``[blocks, 2, bs, Hkv, D]`` cache at (block,
-    offset), then runs the planned wrapper; no host sync, so CUDA graphs can capture it."""
-    cache[blk, 0, off] = k.to(cache.dtype)
-    cache[blk, 1, off] = v.to(cache.dtype)
-    out: torch.Tensor = wrapper.run(q.to(cache.dtype), cache)
-    return out.to(q.dtype)
+        self.write_kv(layer_idx, k, v)
+        return run_planned(self._wrapper, self.layers[layer_idx], q)
 
 
 def flashinfer_available() -> bool:

@@ -1,8 +1,8 @@
 """Reference paged attention in plain torch.
 
-``plan()`` runs once per step from the scheduler's arrays; ``forward()`` runs per layer: it
-writes the step's K/V into the cache through ``slot_mapping`` (block = slot // block_size,
-offset = slot % block_size), then for each request gathers its blocks, keeps the first
+An ``AttentionBackend`` (``attention/base.py``). ``plan()`` runs once per step from the
+scheduler's arrays; ``forward()`` runs per layer: it writes the step's K/V into the layer's cache
+through ``slot_mapping`` (``KvWriter``), then for each request gathers its blocks, keeps the first
 ``seq_len`` positions and runs scaled dot-product attention in float32 with a bottom-right
 aligned causal mask (query j of a request with q_len queries and kv_len keys sees keys
 ``t <= kv_len - q_len + j``), which is right for chunked prefill over cached context. GQA maps
@@ -18,12 +18,14 @@ layer view.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ferryman._core import SchedulerOutput
+from ferryman.attention.base import KvWriter
 
 DECODE_GROUP = 8
 
@@ -36,22 +38,19 @@ class _DecodeGroup:
 
 
 class TorchAttentionBackend:
-    def __init__(self, kv_caches: torch.Tensor, block_size: int, scale: float) -> None:
-        """``kv_caches``: block-major ``[num_blocks, layers, 2, block_size, Hkv, D]`` (per layer,
-        FlashInfer's NHD with a block stride)."""
-        self.kv = kv_caches
+    def __init__(self, kv_layers: Sequence[torch.Tensor], block_size: int, scale: float) -> None:
+        """``kv_layers``: each layer's ``[num_blocks, 2, block_size, Hkv, D]`` cache view."""
+        self.layers = list(kv_layers)
+        self.device = self.layers[0].device
         self.bs = block_size
         self.scale = scale
+        self.writer = KvWriter(block_size, self.device)
         self._rows: list[tuple[int, int, torch.Tensor, int]] = []
-        self._blk = torch.empty(0, dtype=torch.long)
-        self._off = torch.empty(0, dtype=torch.long)
         self._groups: list[_DecodeGroup] = []
 
     def plan(self, out: SchedulerOutput) -> None:
-        device = self.kv.device
-        slots = torch.from_numpy(out.slot_mapping).to(device)
-        self._blk = slots // self.bs
-        self._off = slots % self.bs
+        device = self.device
+        self.writer.map(torch.from_numpy(out.slot_mapping).to(device))
         qo, kvp = out.qo_indptr.tolist(), out.kv_indptr.tolist()
         lens = out.seq_lens.tolist()
         kvi = torch.from_numpy(out.kv_indices).to(device=device, dtype=torch.long)
@@ -74,10 +73,12 @@ class TorchAttentionBackend:
             tokens = torch.tensor([qo[i] for i in rows], dtype=torch.long, device=device)
             self._groups.append(_DecodeGroup(tokens, table, mask))
 
+    def write_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.writer.write(self.layers[layer_idx], k, v)
+
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cache = self.kv[:, layer_idx]
-        cache[self._blk, 0, self._off] = k.to(cache.dtype)
-        cache[self._blk, 1, self._off] = v.to(cache.dtype)
+        self.write_kv(layer_idx, k, v)
+        cache = self.layers[layer_idx]
         out = torch.empty_like(q)
         nq, nkv, d = q.shape[1], k.shape[1], q.shape[2]
         keys_all, vals_all = cache[:, 0], cache[:, 1]  # [num_blocks, bs, Hkv, D] views

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ferryman.attention.base import AttentionBackend
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM",
@@ -27,12 +29,6 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 }
-
-
-class Attention(Protocol):
-    """What a layer needs from the attention backend (see ``ferryman.attention``)."""
-
-    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
 PACK_ROWS_HINT = 16  # oneDNN picks the packed layout for this many rows; measured best for 1..2048
@@ -193,7 +189,9 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = Linear(h, 2 * self.inter, bias=False)  # gate, then up
         self.down_proj = Linear(cfg.intermediate_size, h, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Attention) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
         t = x.shape[0]
         h = self.input_layernorm(x)
         q, k, v = self.qkv_proj(h).split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
@@ -241,7 +239,9 @@ class LlamaForCausalLM(nn.Module):
         model.inv_freq = rope_inv_freq(cfg).to(device)  # to_empty leaves buffers unset
         return model.eval()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of a flat token batch."""
         x = self.embed_tokens(input_ids)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]

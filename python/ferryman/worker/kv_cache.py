@@ -3,7 +3,7 @@
 Layout: block-major, ``[num_blocks, layers, 2, block_size, num_kv_heads, head_dim]``; block 0
 is the null block. One block is one contiguous chunk across all layers, so a swap moves each
 maximal run of consecutive blocks (consecutive on both sides) with one copy, whatever the number
-of layers; ``layer(i)`` is layer i's ``[num_blocks, 2, block_size, Hkv, D]`` view (FlashInfer's
+of layers; ``layers()[i]`` is layer i's ``[num_blocks, 2, block_size, Hkv, D]`` view (FlashInfer's
 NHD with a block stride, which FlashInfer accepts). The plans run in the order swap-out, swap-in,
 copy (the scheduler's contract).
 
@@ -78,9 +78,10 @@ class KvCache:
     def num_host_blocks(self) -> int:
         return int(self.host_kv.shape[0]) - 1
 
-    def layer(self, i: int) -> torch.Tensor:
-        """Layer i's ``[num_blocks, 2, block_size, Hkv, D]`` view of the device pool."""
-        return self.device_kv[:, i]
+    def layers(self) -> list[torch.Tensor]:
+        """Each layer's ``[num_blocks, 2, block_size, Hkv, D]`` view of the device pool: the layer
+        tensors an attention backend writes and reads."""
+        return [self.device_kv[:, i] for i in range(self.num_layers)]
 
     @staticmethod
     def bytes_per_block(

@@ -3,20 +3,19 @@
 Order within a step: the swap/copy plans, then the attention plan, then the forward, then the
 logits of ``logits_indices`` (a row repeats for n > 1). With FlashInfer and without
 ``enforce_eager``, a decode-only step that fits a captured batch size replays a CUDA graph
-(``worker/cuda_graph.py``) instead of the eager plan + forward."""
+(``attention/flashinfer_graphs.py``) instead of the eager plan + forward."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 
 from ferryman._core import SchedulerOutput
-from ferryman.attention import TorchAttentionBackend
+from ferryman.attention.base import AttentionBackend
+from ferryman.attention.flashinfer_backend import FlashInferBackend
+from ferryman.attention.flashinfer_graphs import DecodeGraphs, capture_sizes
+from ferryman.attention.selector import select_backend
 from ferryman.models.llama import LlamaForCausalLM
 from ferryman.worker.kv_cache import KvCache
-
-ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 
 
 class ModelRunner:
@@ -32,43 +31,30 @@ class ModelRunner:
         max_model_len: int = 8192,
     ) -> None:
         """``attention_backend``: "torch" (the reference; the CPU path), "flashinfer" (CUDA and
-        ``ferryman[gpu]``), or "auto" (FlashInfer when both are there, else torch)."""
+        ``ferryman[gpu]``), or "auto" (FlashInfer when both are there, else torch); see
+        ``attention/selector.py``."""
         self.model = model
         self.kv = kv
         model.pack_cpu_weights()  # CPU float32 only; a no-op elsewhere
         self.device = device
         cfg = model.cfg
-        scale = cfg.head_dim**-0.5
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}"
-            )
-        use_fi = False
-        if attention_backend == "flashinfer" or (attention_backend == "auto" and device.type == "cuda"):
-            from ferryman.attention.flashinfer_backend import flashinfer_available
-
-            use_fi = device.type == "cuda" and flashinfer_available()
-            if attention_backend == "flashinfer" and not use_fi:
-                need = "a CUDA device and FlashInfer (pip install ferryman[gpu])"
-                raise ValueError(f"attention_backend='flashinfer' needs {need}")
-        self.attn: Any
-        if use_fi:
-            from ferryman.attention.flashinfer_backend import FlashInferBackend
-
-            self.attn = FlashInferBackend(
-                kv, block_size, scale, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-            )
-        else:
-            self.attn = TorchAttentionBackend(kv.device_kv, block_size, scale=scale)
-        self.attention_backend = "flashinfer" if use_fi else "torch"
-        self.graphs: Any = None  # DecodeGraphs where CUDA graphs are on
+        self.attn: AttentionBackend = select_backend(
+            attention_backend,
+            device,
+            kv.layers(),
+            block_size=block_size,
+            scale=cfg.head_dim**-0.5,
+            num_qo_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+        )
+        fi = self.attn if isinstance(self.attn, FlashInferBackend) else None
+        self.attention_backend = "torch" if fi is None else "flashinfer"
+        self.graphs: DecodeGraphs | None = None  # where CUDA graphs are on
         self.num_graph_steps = 0
-        if use_fi and not enforce_eager:
-            from ferryman.worker.cuda_graph import DecodeGraphs, capture_sizes
-
-            sizes = capture_sizes(max_num_seqs)
+        if fi is not None and not enforce_eager:
             pages = -(-max_model_len // block_size)
-            self.graphs = DecodeGraphs(model, kv, block_size, scale, sizes, pages, self.attn.workspace)
+            self.graphs = DecodeGraphs(fi, model, capture_sizes(max_num_seqs), pages)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:

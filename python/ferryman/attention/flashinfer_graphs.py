@@ -3,7 +3,8 @@
 Owns the batch sizes captured, one graph per size (all sharing one memory pool), the static
 input buffers the graphs read, and one FlashInfer decode wrapper per size in its CUDA-graph mode
 (a wrapper's batch size is fixed for its life). A decode-only step of B rows runs on the smallest
-captured size >= B; larger or mixed steps run eager.
+captured size >= B; larger or mixed steps run eager. Built from a ``FlashInferBackend`` (its
+layer views, workspace and ``PlanArgs``) and the model's forward as a callable.
 
 Padding: rows B..size-1 are dummies that own nothing. Each reads one page, the null block (page
 0, one entry), and writes its K/V to slot 0 of the null block; no request ever owns block 0, and
@@ -12,25 +13,29 @@ the torch backend never runs with graphs). Their outputs are dropped.
 
 Invariants: graphs are captured after the KV pool is allocated (they hold its address); every
 replay is preceded by that size's ``plan()`` with the step's page table (host-side; its inputs
-are already on the device, so planning does not wait for the GPU); the host -> device copies of a
-step go through freshly pinned tensors, so a copy still in flight never has its source rewritten.
+are already on the device, so planning does not wait for the GPU); (block, offset) of the K/V
+write is computed from the static slot buffer inside the captured forward, so each replay writes
+at its own step's slots; the host -> device copies of a step go through freshly pinned tensors,
+so a copy still in flight never has its source rewritten.
 
-``capture_sizes``, ``graph_size`` and ``pad_decode`` are pure and tested on CPU; capture and
-replay run only on CUDA and are checked against eager in ``tests/gpu`` (passed on an H200).
+``capture_sizes``, ``graph_size`` and ``pad_decode`` are pure and tested on CPU, and so is the
+K/V write of a captured size's attention; capture and replay run only on CUDA and are checked
+against eager in ``tests/gpu``.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from ferryman.attention.flashinfer_backend import write_and_attend
-from ferryman.models.llama import LlamaForCausalLM
-from ferryman.worker.kv_cache import KvCache
+from ferryman._core import SchedulerOutput
+from ferryman.attention.base import AttentionBackend, KvWriter
+from ferryman.attention.flashinfer_backend import FlashInferBackend, PlanArgs, run_planned
 
 MAX_CAPTURE_SIZE = 256
 
@@ -90,52 +95,63 @@ def pad_decode(out: Any, size: int) -> PaddedDecode:
 
 
 class _GraphAttention:
-    """The attention the captured forward calls: K/V written through the static slots, then the
-    size's CUDA-graph decode wrapper."""
+    """One captured size's attention, an ``AttentionBackend``. ``plan(out)`` pads the step to the
+    size and stages everything the captured forward reads: token ids, positions and slots (one
+    copy into ``inputs``, ``[3, size]``) and the page table (the size's CUDA-graph decode
+    wrapper). ``forward`` maps the static slots to (block, offset) at layer 0, inside the captured
+    forward, so each replay writes K/V at that step's slots."""
 
-    def __init__(self, kv: KvCache, wrapper: Any, slots: torch.Tensor, block_size: int) -> None:
-        self.kv, self.wrapper, self.slots, self.bs = kv, wrapper, slots, block_size
-        self.blk = self.off = slots  # set from the slots at layer 0 of every forward
+    def __init__(
+        self, kv_layers: Sequence[torch.Tensor], wrapper: Any, inputs: torch.Tensor, args: PlanArgs
+    ) -> None:
+        self.layers, self.wrapper, self.inputs, self.args = list(kv_layers), wrapper, inputs, args
+        self.size = int(inputs.shape[1])
+        self.writer = KvWriter(args.block_size, inputs.device)
+
+    def plan(self, out: SchedulerOutput) -> None:
+        self.stage(pad_decode(out, self.size))
+
+    def stage(self, p: PaddedDecode) -> None:
+        host = torch.from_numpy(np.stack([p.input_ids, p.positions, p.slot_mapping])).pin_memory()
+        self.inputs.copy_(host, non_blocking=True)
+        indices = torch.from_numpy(p.kv_indices).pin_memory().to(self.inputs.device, non_blocking=True)
+        last_page_len = torch.from_numpy(p.kv_last_page_len).pin_memory()
+        self.args.plan_decode(
+            self.wrapper, torch.from_numpy(p.kv_indptr).pin_memory(), indices, last_page_len
+        )
+
+    def write_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.writer.write(self.layers[layer_idx], k, v)
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if layer_idx == 0:
-            # (block, offset) from the static slot buffer INSIDE the forward, so the capture
-            # records these kernels and each replay reads that step's slots. (Computed once at
-            # construction they were frozen at the capture's dummy slots: every replay wrote its
-            # K/V into the null block. The H200 check caught it; test_cuda_graph_logits_match_eager.)
-            self.blk, self.off = self.slots // self.bs, self.slots % self.bs
-        return write_and_attend(self.kv.layer(layer_idx), self.blk, self.off, self.wrapper, q, k, v)
+            self.writer.map(self.inputs[2])
+        self.write_kv(layer_idx, k, v)
+        return run_planned(self.wrapper, self.layers[layer_idx], q)
+
+
+StepForward = Callable[[torch.Tensor, torch.Tensor, AttentionBackend], torch.Tensor]
 
 
 class DecodeGraphs:
-    """Captures the model's decode forward at ``sizes``; ``run(out)`` replays the right one."""
+    """Captures a decode forward at ``sizes``; ``run(out)`` replays the right one. ``forward``
+    is the model's ``(input_ids, positions, attention) -> hidden states``."""
 
     def __init__(
-        self,
-        model: LlamaForCausalLM,
-        kv: KvCache,
-        block_size: int,
-        scale: float,
-        sizes: list[int],
-        max_pages_per_row: int,
-        workspace: torch.Tensor,
+        self, backend: FlashInferBackend, forward: StepForward, sizes: list[int], max_pages_per_row: int
     ) -> None:
         import flashinfer
 
-        cfg = model.cfg
-        dev = kv.device_kv.device
-        self.model, self.kv, self.bs, self.sizes = model, kv, block_size, sizes
-        self.dtype = kv.device_kv.dtype
-        self._plan_kw = {"q_data_type": self.dtype, "kv_data_type": self.dtype, "sm_scale": scale}
-        self._heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        dev = backend.device
+        self.sizes = sizes
         top = sizes[-1]
         self._inputs = torch.zeros((3, top), dtype=torch.long, device=dev)  # ids, positions, slots
         self._indices = torch.zeros(top * max_pages_per_row + top, dtype=torch.int32, device=dev)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Any, torch.Tensor]] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, _GraphAttention, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(sizes):  # largest first, so the smaller ones reuse its pool memory
             wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                workspace,
+                backend.workspace,
                 kv_layout="NHD",
                 use_cuda_graph=True,
                 use_tensor_cores=True,
@@ -143,46 +159,28 @@ class DecodeGraphs:
                 paged_kv_indices_buffer=self._indices,
                 paged_kv_last_page_len_buffer=torch.zeros(size, dtype=torch.int32, device=dev),
             )
-            ids, pos, slots = self._inputs[0, :size], self._inputs[1, :size], self._inputs[2, :size]
-            dummy = pad_decode(_EmptyStep(), size)
-            self._stage(dummy, size, wrapper)
-            attn = _GraphAttention(kv, wrapper, slots, block_size)
+            attn = _GraphAttention(backend.layers, wrapper, self._inputs[:, :size], backend.args)
+            attn.stage(pad_decode(_EmptyStep(), size))
+            ids, pos = attn.inputs[0], attn.inputs[1]
             side = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):  # warm-up outside the capture (lazy inits, autotuning)
-                model(ids, pos, attn)
+                forward(ids, pos, attn)
             torch.cuda.current_stream(dev).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden = model(ids, pos, attn)
-            self._graphs[size] = (graph, wrapper, hidden)
+                hidden = forward(ids, pos, attn)
+            self._graphs[size] = (graph, attn, hidden)
         torch.cuda.synchronize(dev)
 
-    def _stage(self, p: PaddedDecode, size: int, wrapper: Any) -> None:
-        dev = self._inputs.device
-        host = torch.from_numpy(np.stack([p.input_ids, p.positions, p.slot_mapping])).pin_memory()
-        self._inputs[:, :size].copy_(host, non_blocking=True)
-        indices = torch.from_numpy(p.kv_indices).pin_memory().to(dev, non_blocking=True)
-        hq, hkv, d = self._heads
-        wrapper.plan(
-            torch.from_numpy(p.kv_indptr).pin_memory(),
-            indices,
-            torch.from_numpy(p.kv_last_page_len).pin_memory(),
-            hq,
-            hkv,
-            d,
-            self.bs,
-            **self._plan_kw,
-        )
-
-    def run(self, out: Any) -> torch.Tensor | None:
+    def run(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Hidden states ``[B, hidden]`` of a decode-only step, or None when no graph fits."""
         rows = len(out.kv_indptr) - 1
         size = graph_size(self.sizes, rows)
         if size is None or out.num_scheduled_tokens != rows:
             return None
-        graph, wrapper, hidden = self._graphs[size]
-        self._stage(pad_decode(out, size), size, wrapper)
+        graph, attn, hidden = self._graphs[size]
+        attn.plan(out)
         graph.replay()
         return hidden[:rows]
 

@@ -1,0 +1,56 @@
+"""What every attention backend offers the model and the runner, and the one K/V write they share.
+
+``AttentionBackend`` is the protocol: ``plan(out)`` once per step, before the forward;
+``forward(layer, q, k, v)`` per layer, which writes the step's K/V of that layer (``write_kv``)
+and then attends over each request's blocks, the new K/V included.
+
+The K/V cache a backend writes is handed to it as layer tensors: layer i is a
+``[num_blocks, 2, block_size, Hkv, D]`` view (K at index 0, V at 1; FlashInfer's NHD layout with
+a block stride) of the block-major pool ``worker/kv_cache.py`` allocates. ``KvWriter`` owns how a
+slot of ``slot_mapping`` addresses that view: block ``slot // block_size``, offset
+``slot % block_size``, computed once per step (``map``) and used by every layer (``write``). Both
+are tensor ops without a host sync, so a CUDA graph can capture them.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ferryman._core import SchedulerOutput
+
+
+class AttentionBackend(Protocol):
+    def plan(self, out: SchedulerOutput) -> None:
+        """Prepares the step's metadata (page tables, slots) from the scheduler's arrays."""
+        ...
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Writes the layer's K/V ``[T, Hkv, D]``, then returns attention ``[T, Hq, D]`` of q."""
+        ...
+
+    def write_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Writes the step's K/V of one layer into its cache at the step's slots."""
+        ...
+
+
+class KvWriter:
+    """The step's slots as (block, offset) in a layer view, and the K/V write through them."""
+
+    __slots__ = ("blk", "block_size", "off")
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.blk = torch.empty(0, dtype=torch.long, device=device)
+        self.off = torch.empty(0, dtype=torch.long, device=device)
+
+    def map(self, slots: torch.Tensor) -> None:
+        """Slot -> (block, offset) for the step's tokens; ``slots`` is an integer tensor ``[T]``
+        on the cache's device."""
+        self.blk, self.off = slots // self.block_size, slots % self.block_size
+
+    def write(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Writes K and V ``[T, Hkv, D]`` into one layer's view, cast to the cache's dtype."""
+        cache[self.blk, 0, self.off] = k.to(cache.dtype)
+        cache[self.blk, 1, self.off] = v.to(cache.dtype)

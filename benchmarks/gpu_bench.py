@@ -1,5 +1,6 @@
-"""GPU benchmarks of the issue's targets, printed as one JSON object (``scripts/gpu_check.sh``
-runs this on a GPU machine; it needs CUDA, and FlashInfer for the attention backend).
+"""GPU benchmarks: decode against the HBM roofline, the host's share of a step, CUDA graphs and swap
+bandwidth, printed as one JSON object (``scripts/gpu_check.sh`` runs this on a GPU machine; it needs
+CUDA, and FlashInfer for the attention backend).
 
 - decode and prefill throughput of a randomly initialised Llama-3-8B-shaped model in bf16 at
   batch 1, 32 and 256 (context 512), through the real scheduler, runner and sampler, next to the

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 from ferryman._core import InvalidRequestError, SchedulerConfig
 
 DEFAULT_MODEL = "smollm2"
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")  # attention/selector.py holds the rule
 
 _Check = Callable[[Any], str | None]  # None when the value is fine, else what is wrong
 
@@ -146,7 +147,7 @@ class EngineArgs(SchedulerArgs):
     attention_backend: str = knob(
         "auto",
         "paged attention: torch (the reference, CPU), flashinfer (CUDA), auto (flashinfer when available)",
-        choices=("auto", "torch", "flashinfer"),
+        choices=ATTENTION_BACKENDS,
     )
     enforce_eager: bool = knob(False, "never replay CUDA graphs for decode steps (FlashInfer on CUDA)")
     seed: int = knob(0, "engine seed: sampling seeds of requests that bring none")

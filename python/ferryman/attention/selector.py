@@ -15,8 +15,7 @@ import torch
 from ferryman.attention.base import AttentionBackend
 from ferryman.attention.flashinfer_backend import FlashInferBackend, flashinfer_available
 from ferryman.attention.torch_backend import TorchAttentionBackend
-
-ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+from ferryman.engine_args import ATTENTION_BACKENDS
 
 
 def backend_name(name: str, device: torch.device) -> str:

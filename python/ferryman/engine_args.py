@@ -154,7 +154,7 @@ class EngineArgs(SchedulerArgs):
     calibrate: bool = knob(True, "measure the host link and prefill rate at start-up for the cost model")
 
 
-def _types(cls: type, f: dataclasses.Field[Any]) -> tuple[type, bool]:
+def value_type(cls: type, f: dataclasses.Field[Any]) -> tuple[type, bool]:
     """The field's value type, and whether it may be None."""
     hint = typing.get_type_hints(cls)[f.name]
     args = typing.get_args(hint)
@@ -165,7 +165,7 @@ def _types(cls: type, f: dataclasses.Field[Any]) -> tuple[type, bool]:
 
 
 def _validate(f: dataclasses.Field[Any], v: Any, cls: type) -> None:
-    kind, optional = _types(cls, f)
+    kind, optional = value_type(cls, f)
     bad: str | None = None
     if v is None:
         bad = None if optional else "must be set"
@@ -221,7 +221,7 @@ def add_cli_args(
             text += " (on by default; this flag turns it off)" if f.default else ""
             p.add_argument(_flag(f), dest=f.name, action=action, default=f.default, help=text)
             continue
-        kind, _ = _types(cls, f)
+        kind, _ = value_type(cls, f)
         shown = "" if f.default is None else f" (default: {f.default})"
         p.add_argument(
             _flag(f),

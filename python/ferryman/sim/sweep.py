@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
+from ferryman.engine_args import value_type
 from ferryman.sim.presets import GpuSpec, ModelShape
 from ferryman.sim.simulator import SimConfig, simulate
 from ferryman.sim.workload import Workload
 
-# knob -> how to read a value from the command line
+# knob -> how to read a value from the command line: every non-switch field of SimConfig
 SWEEP_KNOBS: dict[str, type] = {
-    "max_num_batched_tokens": int,
-    "max_num_seqs": int,
-    "num_device_blocks": int,
-    "num_host_blocks": int,
-    "gpu_memory_utilization": float,
-    "swap_space": float,
-    "block_size": int,
-    "preemption_mode": str,
-    "policy": str,
+    f.name: value_type(SimConfig, f)[0] for f in fields(SimConfig) if value_type(SimConfig, f)[0] is not bool
 }
 
 COLUMNS = (

@@ -82,7 +82,6 @@ impl Scheduler {
                         return Err(format!("{id}'s host table does not match its computed tokens"));
                     }
                 }
-                _ => return Err(format!("{id} finished but still holds a slot")),
             }
             if !self.req_slots.get(&r.req_id).is_some_and(|v| v.contains(&(slot as u32))) {
                 return Err(format!("{id} is not indexed by its req_id"));

@@ -7,15 +7,13 @@
 //!
 //! Invariant: `num_computed_tokens <= token_ids.len()`; `token_ids` starts with the prompt.
 
-/// Where a request is in its life.
+/// Which queue a live request is in. A finished request is dropped at once (its id is reported
+/// in the next `finished_req_ids`), so there is no finished status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RequestStatus {
     Waiting,
     Running,
     Swapped,
-    FinishedStopped,
-    FinishedLengthCapped,
-    FinishedAborted,
 }
 
 /// Why a request finished, as OpenAI names it.
@@ -36,14 +34,6 @@ impl FinishReason {
             Self::Stop => "stop",
             Self::Length => "length",
             Self::Abort => "abort",
-        }
-    }
-    /// The status a request finished for this reason ends in.
-    pub fn status(self) -> RequestStatus {
-        match self {
-            Self::Stop => RequestStatus::FinishedStopped,
-            Self::Length => RequestStatus::FinishedLengthCapped,
-            Self::Abort => RequestStatus::FinishedAborted,
         }
     }
 }
@@ -125,12 +115,6 @@ impl Request {
         } else {
             None
         }
-    }
-
-    /// True while the request is waiting, running or swapped.
-    #[inline]
-    pub fn is_live(&self) -> bool {
-        matches!(self.status, RequestStatus::Waiting | RequestStatus::Running | RequestStatus::Swapped)
     }
 }
 

@@ -520,7 +520,6 @@ impl Scheduler {
                 self.swapped.retain(|&s| s != slot);
             }
             RequestStatus::Waiting => self.waiting.retain(|&s| s != slot),
-            _ => unreachable!("finished requests leave their slot"),
         }
         let slots = self.req_slots.get_mut(&r.req_id).expect("live request is indexed");
         slots.retain(|&s| s != slot);

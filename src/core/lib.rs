@@ -25,6 +25,6 @@ pub mod swap;
 
 pub use config::{Policy, PreemptionMode, PreemptionModeConfig, SchedulerConfig};
 pub use error::{CoreError, CoreResult};
-pub use outputs::{PreemptionEvent, SchedulerOutput, StepOutputs, StepStats};
+pub use outputs::{PreemptionEvent, PreemptionReason, SchedulerOutput, StepOutputs, StepStats};
 pub use request::{FinishReason, RequestStatus};
 pub use scheduler::{Counters, RequestParams, Scheduler};

@@ -104,6 +104,28 @@ pub struct StepOutputs {
     pub finish_reasons: Vec<Option<FinishReason>>,
 }
 
+/// Why a preemption used the mode it did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PreemptionReason {
+    /// The configured fixed mode ("recompute", or "swap" with room on the host).
+    Config,
+    /// Mode "auto" chose the cheaper restore.
+    Cost,
+    /// Swap wanted but the host pool is short: fell back to recompute.
+    HostFull,
+}
+
+impl PreemptionReason {
+    /// "config" | "cost" | "host_full", as events report it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Config => "config",
+            Self::Cost => "cost",
+            Self::HostFull => "host_full",
+        }
+    }
+}
+
 /// One preemption, as it was decided.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PreemptionEvent {
@@ -114,9 +136,8 @@ pub struct PreemptionEvent {
     pub seq_index: u32,
     /// What happens to its KV.
     pub mode: PreemptionMode,
-    /// Why this mode: "config" (fixed mode), "cost" (auto chose the cheaper), "host_full"
-    /// (swap wanted but the host pool is short: fell back to recompute).
-    pub reason: &'static str,
+    /// Why this mode.
+    pub reason: PreemptionReason,
     /// The request whose growth needed the blocks (may be the victim itself).
     pub for_req_id: u64,
     /// Device blocks this preemption returned to the free list.
@@ -135,4 +156,15 @@ pub struct PreemptionEvent {
     pub num_free_host_blocks: usize,
     /// Times this request has been preempted, this one included.
     pub num_preemptions: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PreemptionReason;
+
+    #[test]
+    fn preemption_reasons_cross_as_the_contract_strings() {
+        let all = [PreemptionReason::Config, PreemptionReason::Cost, PreemptionReason::HostFull];
+        assert_eq!(all.map(PreemptionReason::as_str), ["config", "cost", "host_full"]);
+    }
 }

@@ -23,7 +23,7 @@
 //! emits one `PreemptionEvent`.
 
 use crate::config::{PreemptionMode, PreemptionModeConfig};
-use crate::outputs::PreemptionEvent;
+use crate::outputs::{PreemptionEvent, PreemptionReason};
 use crate::request::RequestStatus;
 use crate::scheduler::{Scheduler, StepPlan};
 
@@ -119,16 +119,16 @@ impl Scheduler {
         }
         let cost = self.restore_cost(slot);
         let (mode, reason) = match (self.cfg.preemption_mode, cost.swap_s) {
-            (PreemptionModeConfig::Recompute, _) => (PreemptionMode::Recompute, "config"),
-            (PreemptionModeConfig::Swap, Some(_)) => (PreemptionMode::Swap, "config"),
-            (PreemptionModeConfig::Swap, None) => (PreemptionMode::Recompute, "host_full"),
+            (PreemptionModeConfig::Recompute, _) => (PreemptionMode::Recompute, PreemptionReason::Config),
+            (PreemptionModeConfig::Swap, Some(_)) => (PreemptionMode::Swap, PreemptionReason::Config),
+            (PreemptionModeConfig::Swap, None) => (PreemptionMode::Recompute, PreemptionReason::HostFull),
             (PreemptionModeConfig::Auto, _) => match cost.cheaper().0 {
-                PreemptionMode::Swap => (PreemptionMode::Swap, "cost"),
+                PreemptionMode::Swap => (PreemptionMode::Swap, PreemptionReason::Cost),
                 // the host pool being short is what made recompute "cheaper"
                 PreemptionMode::Recompute if cost.swap_s.is_none() && cost.num_blocks_to_move > 0 => {
-                    (PreemptionMode::Recompute, "host_full")
+                    (PreemptionMode::Recompute, PreemptionReason::HostFull)
                 }
-                PreemptionMode::Recompute => (PreemptionMode::Recompute, "cost"),
+                PreemptionMode::Recompute => (PreemptionMode::Recompute, PreemptionReason::Cost),
             },
         };
         let free_before = self.kv.num_free();
@@ -143,7 +143,7 @@ impl Scheduler {
                 r.status = RequestStatus::Waiting;
                 self.counters.num_preemptions_recompute += 1;
                 self.counters.num_tokens_recomputed += cost.num_tokens_to_recompute as u64;
-                if reason == "host_full" {
+                if reason == PreemptionReason::HostFull {
                     self.counters.num_swap_fallbacks += 1;
                 }
                 self.enqueue_waiting(slot);

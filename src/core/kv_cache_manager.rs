@@ -35,6 +35,14 @@ pub struct KvCacheManager {
 /// A copy-on-write the step must run before the forward: (src, dst) device blocks.
 pub type BlockCopy = (u32, u32);
 
+/// Blocks needed to hold `num_tokens` tokens: the one place this is computed. `block_size` is a
+/// power of two (`SchedulerConfig::validate`), so this is an add and a shift.
+#[inline]
+pub fn blocks_for(num_tokens: usize, block_size: usize) -> usize {
+    debug_assert!(block_size.is_power_of_two());
+    (num_tokens + block_size - 1) >> block_size.trailing_zeros()
+}
+
 impl KvCacheManager {
     /// Pools of `num_device_blocks` and `num_host_blocks` usable blocks.
     pub fn new(block_size: usize, num_device_blocks: usize, num_host_blocks: usize, prefix: bool) -> Self {
@@ -120,12 +128,6 @@ impl KvCacheManager {
         Some(())
     }
 
-    /// Blocks needed to hold `num_tokens` tokens.
-    #[inline]
-    pub fn blocks_for(&self, num_tokens: usize) -> usize {
-        (num_tokens + self.block_size - 1) >> self.block_shift
-    }
-
     /// Blocks `allocate_slots(slot, num_computed, num_new)` would take: new blocks past the
     /// table's end, plus one if the first token lands in a shared block (copy-on-write).
     #[inline]
@@ -136,7 +138,7 @@ impl KvCacheManager {
     /// (blocks the table must reach, index of the block to copy on write, new blocks needed).
     #[inline]
     fn slots_needed(&self, slot: u32, num_computed: usize, num_new: usize) -> (usize, Option<usize>, usize) {
-        let want = self.blocks_for(num_computed + num_new);
+        let want = blocks_for(num_computed + num_new, self.block_size);
         let cow_idx = self.cow_index(slot, num_computed);
         let need = want.saturating_sub(self.tables[slot as usize].len()) + usize::from(cow_idx.is_some());
         (want, cow_idx, need)

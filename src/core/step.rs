@@ -7,6 +7,7 @@
 //! `kv_indices` with one slice extend per request.
 
 use crate::error::{CoreError, CoreResult};
+use crate::kv_cache_manager::blocks_for;
 use crate::outputs::{SchedulerOutput, StepOutputs, StepStats};
 use crate::request::{FinishReason, Request, RequestStatus};
 use crate::scheduler::{PendingStep, Sample, Scheduler, StepPlan};
@@ -15,7 +16,7 @@ impl Scheduler {
     /// Lays out the plan as FlashInfer-ready arrays and remembers it for `update()`.
     pub(crate) fn build_output(&mut self, plan: StepPlan) -> SchedulerOutput {
         let bs = self.cfg.block_size;
-        let (shift, mask) = (bs.trailing_zeros(), bs - 1);
+        let (shift, mask) = (bs.trailing_zeros(), bs - 1); // a position's block and offset
         let b = plan.scheduled.len();
         let t = self.cfg.max_num_batched_tokens - plan.budget;
         let mut o = SchedulerOutput {
@@ -59,7 +60,7 @@ impl Scheduler {
             }
             o.qo_indptr.push(o.input_ids.len() as i32);
             o.seq_lens.push(end as i32);
-            let num_blocks = (end + mask) >> shift;
+            let num_blocks = blocks_for(end, bs);
             o.kv_indices.extend_from_slice(&table[..num_blocks]);
             o.kv_indptr.push(o.kv_indices.len() as i32);
             o.kv_last_page_len.push((end - (num_blocks - 1) * bs) as i32);

@@ -24,11 +24,11 @@ impl Scheduler {
         let mut dev_refs = vec![0u32; kv.device.num_blocks()];
         let mut host_refs = vec![0u32; kv.host.num_blocks()];
         let mut num_live = 0;
-        for (slot, req) in self.reqs.iter().enumerate() {
-            let (table, host_table) = (&kv.tables[slot], &kv.host_tables[slot]);
+        for (idx, req) in self.reqs.iter() {
+            let (table, host_table) = (kv.table(idx), kv.host_table(idx));
             let Some(r) = req else {
                 if !table.is_empty() || !host_table.is_empty() {
-                    return Err(format!("empty slot {slot} holds blocks"));
+                    return Err(format!("free request index {} holds blocks", idx.get()));
                 }
                 continue;
             };
@@ -47,9 +47,9 @@ impl Scheduler {
                 return Err(format!("{id} computed more tokens than it has"));
             }
             let (in_waiting, in_running, in_swapped) = (
-                self.waiting.iter().filter(|&&s| s as usize == slot).count(),
-                self.running.iter().filter(|&&s| s as usize == slot).count(),
-                self.swapped.iter().filter(|&&s| s as usize == slot).count(),
+                self.waiting.iter().filter(|&&i| i == idx).count(),
+                self.running.iter().filter(|&&i| i == idx).count(),
+                self.swapped.iter().filter(|&&i| i == idx).count(),
             );
             let queues = (in_waiting, in_running, in_swapped);
             match r.status {
@@ -67,7 +67,7 @@ impl Scheduler {
                     // marked so that a write into a shared block copies it first
                     let shared_uncached =
                         table.iter().any(|&b| kv.device.ref_cnt(b as u32) > 1 && !kv.prefix_cache.is_cached(b as u32));
-                    if shared_uncached && !kv.forked[slot] {
+                    if shared_uncached && !kv.forked[idx.get()] {
                         return Err(format!("{id} shares an uncached block but is not marked forked"));
                     }
                     if table.len() < self.cfg.blocks_for(r.num_computed_tokens) {
@@ -83,7 +83,7 @@ impl Scheduler {
                     }
                 }
             }
-            if !self.req_slots.get(&r.req_id).is_some_and(|v| v.contains(&(slot as u32))) {
+            if !self.reqs.indices(r.req_id).is_some_and(|v| v.contains(&idx)) {
                 return Err(format!("{id} is not indexed by its req_id"));
             }
         }
@@ -109,12 +109,12 @@ impl Scheduler {
             return Err("host: free + used + null != total".into());
         }
         if num_live != self.waiting.len() + self.running.len() + self.swapped.len() {
-            return Err("a queue holds a slot twice or a dead slot".into());
+            return Err("a queue holds a request twice or a dead one".into());
         }
-        if self.req_slots.values().map(Vec::len).sum::<usize>() != num_live {
+        if self.reqs.num_indexed() != num_live {
             return Err("req_id index out of step with the live requests".into());
         }
-        let seqs: usize = self.running.iter().map(|&s| self.req(s).num_pending_forks as usize).sum();
+        let seqs: usize = self.running.iter().map(|&i| self.reqs.get(i).num_pending_forks as usize).sum();
         if seqs != self.num_running_seqs || seqs > self.cfg.max_num_seqs {
             return Err(format!("running forks {seqs} (counted {}) vs max_num_seqs", self.num_running_seqs));
         }

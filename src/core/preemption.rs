@@ -22,6 +22,7 @@
 //! Every preemption raises the victim's precedence (`num_preemptions`) for re-admission and
 //! emits one `PreemptionEvent`.
 
+use crate::arena::ReqIdx;
 use crate::config::{PreemptionMode, PreemptionModeConfig};
 use crate::outputs::{PreemptionEvent, PreemptionReason};
 use crate::request::RequestStatus;
@@ -58,13 +59,13 @@ impl RestoreCost {
 }
 
 impl Scheduler {
-    /// Restore costs of preempting the running request in `slot` now.
-    pub(crate) fn restore_cost(&self, slot: u32) -> RestoreCost {
+    /// Restore costs of preempting the running request `idx` now.
+    pub(crate) fn restore_cost(&self, idx: ReqIdx) -> RestoreCost {
         let cfg = &self.cfg;
-        let r = self.req(slot);
+        let r = self.reqs.get(idx);
         let computed = r.num_computed_tokens;
         let surviving =
-            self.kv.num_surviving_prefix_blocks(slot).min(computed / cfg.block_size).min(r.block_hashes.len());
+            self.kv.num_surviving_prefix_blocks(idx).min(computed / cfg.block_size).min(r.block_hashes.len());
         let num_blocks_to_move = cfg.blocks_for(computed) - surviving;
         let num_tokens_to_recompute = computed - surviving * cfg.block_size;
         let swap_s = (self.kv.num_free_host() >= num_blocks_to_move)
@@ -80,16 +81,16 @@ impl Scheduler {
 
     /// Index in `running` of the next victim (never called with `running` empty).
     pub(crate) fn choose_victim(&self) -> usize {
-        let key = |i: usize| self.rank(self.req(self.running[i]));
+        let key = |i: usize| self.rank(self.reqs.get(self.running[i]));
         let worst = (0..self.running.len()).max_by_key(|&i| key(i)).expect("running is not empty");
         if self.cfg.preemption_mode != PreemptionModeConfig::Auto {
             return worst;
         }
         let (w_prio, w_pre, _) = key(worst);
         let score = |i: usize| {
-            let slot = self.running[i];
-            let freed = self.kv.num_exclusive_blocks(slot) as f64;
-            freed / (self.restore_cost(slot).cheaper().1 + 1e-9)
+            let idx = self.running[i];
+            let freed = self.kv.num_exclusive_blocks(idx) as f64;
+            freed / (self.restore_cost(idx).cheaper().1 + 1e-9)
         };
         // The policy's victim stays unless another in its class is clearly better: a near tie
         // (most victims free blocks at about the same rate) must not reorder fcfs by noise.
@@ -107,17 +108,17 @@ impl Scheduler {
         best.0
     }
 
-    /// Preempts `running[idx]` to make room for `for_req_id`; undoes its part of the step plan.
-    pub(crate) fn preempt(&mut self, idx: usize, for_req_id: u64, plan: &mut StepPlan) {
-        let slot = self.running.remove(idx);
+    /// Preempts `running[at]` to make room for `for_req_id`; undoes its part of the step plan.
+    pub(crate) fn preempt(&mut self, at: usize, for_req_id: u64, plan: &mut StepPlan) {
+        let idx = self.running.remove(at);
         // undo its part of this step: the budget comes back; a copy-on-write it planned is dropped
         let mut dropped_cow = None;
-        if let Some(at) = plan.scheduled.iter().position(|s| s.slot == slot) {
-            let s = plan.scheduled.remove(at);
+        if let Some(pos) = plan.scheduled.iter().position(|s| s.req_idx == idx) {
+            let s = plan.scheduled.remove(pos);
             plan.budget += s.num_new;
             dropped_cow = s.cow;
         }
-        let cost = self.restore_cost(slot);
+        let cost = self.restore_cost(idx);
         let (mode, reason) = match (self.cfg.preemption_mode, cost.swap_s) {
             (PreemptionModeConfig::Recompute, _) => (PreemptionMode::Recompute, PreemptionReason::Config),
             (PreemptionModeConfig::Swap, Some(_)) => (PreemptionMode::Swap, PreemptionReason::Config),
@@ -132,12 +133,12 @@ impl Scheduler {
             },
         };
         let free_before = self.kv.num_free();
-        let r = self.reqs[slot as usize].as_mut().expect("running slot is live");
+        let r = self.reqs.get_mut(idx);
         r.num_preemptions += 1;
         self.num_running_seqs -= r.num_pending_forks as usize;
         match mode {
             PreemptionMode::Recompute => {
-                self.kv.free(slot);
+                self.kv.free(idx);
                 r.num_computed_tokens = 0;
                 r.num_cached_blocks = 0;
                 r.status = RequestStatus::Waiting;
@@ -146,13 +147,13 @@ impl Scheduler {
                 if reason == PreemptionReason::HostFull {
                     self.counters.num_swap_fallbacks += 1;
                 }
-                self.enqueue_waiting(slot);
+                self.enqueue_waiting(idx);
             }
             PreemptionMode::Swap => {
                 let keep = cost.num_blocks_kept;
-                self.kv.truncate(slot, keep + cost.num_blocks_to_move); // blocks not yet computed
+                self.kv.truncate(idx, keep + cost.num_blocks_to_move); // blocks not yet computed
                 let first = plan.swap_out.len();
-                self.kv.swap_out(slot, keep, &mut plan.swap_out).expect("restore_cost saw host room");
+                self.kv.swap_out(idx, keep, &mut plan.swap_out).expect("restore_cost saw host room");
                 r.num_swap_prefix_blocks = keep;
                 self.counters.num_blocks_kept_on_swap += keep as u64;
                 // The dropped copy would have filled its destination only after the swap-out
@@ -168,10 +169,10 @@ impl Scheduler {
                 r.status = RequestStatus::Swapped;
                 self.counters.num_preemptions_swap += 1;
                 self.counters.num_blocks_swapped_out += cost.num_blocks_to_move as u64;
-                self.enqueue_swapped(slot);
+                self.enqueue_swapped(idx);
             }
         }
-        let r = self.req(slot);
+        let r = self.reqs.get(idx);
         plan.preempted.push(r.req_id as i64);
         let swap = mode == PreemptionMode::Swap;
         self.events.push(PreemptionEvent {

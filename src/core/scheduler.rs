@@ -25,8 +25,7 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use rustc_hash::FxHashMap;
-
+use crate::arena::{ReqIdx, RequestArena};
 use crate::config::SchedulerConfig;
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache_manager::{BlockCopy, KvCacheManager};
@@ -85,7 +84,7 @@ pub struct Counters {
 /// A request scheduled in the step being planned.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Scheduled {
-    pub slot: u32,
+    pub req_idx: ReqIdx,
     pub num_new: usize,
     pub cow: Option<BlockCopy>,
 }
@@ -103,7 +102,7 @@ pub(crate) struct StepPlan {
 /// A sample row between `schedule()` and `update()`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Sample {
-    pub slot: u32,
+    pub req_idx: ReqIdx,
     pub req_id: u64,
     pub seq_index: u32,
 }
@@ -120,13 +119,10 @@ pub(crate) struct PendingStep {
 pub struct Scheduler {
     pub(crate) cfg: SchedulerConfig,
     pub(crate) kv: KvCacheManager,
-    pub(crate) reqs: Vec<Option<Request>>,
-    free_slots: Vec<u32>,
-    deferred_slots: Vec<u32>,
-    pub(crate) req_slots: FxHashMap<u64, Vec<u32>>,
-    pub(crate) waiting: VecDeque<u32>,
-    pub(crate) running: Vec<u32>,
-    pub(crate) swapped: VecDeque<u32>,
+    pub(crate) reqs: RequestArena,
+    pub(crate) waiting: VecDeque<ReqIdx>,
+    pub(crate) running: Vec<ReqIdx>,
+    pub(crate) swapped: VecDeque<ReqIdx>,
     /// Running forks, counting an unforked parent as its `n`.
     pub(crate) num_running_seqs: usize,
     next_arrival: u64,
@@ -150,10 +146,7 @@ impl Scheduler {
         Ok(Self {
             cfg,
             kv,
-            reqs: Vec::new(),
-            free_slots: Vec::new(),
-            deferred_slots: Vec::new(),
-            req_slots: FxHashMap::default(),
+            reqs: RequestArena::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
             swapped: VecDeque::new(),
@@ -178,7 +171,7 @@ impl Scheduler {
     /// parameters, or a request that could never fit `max_model_len` or the device pool.
     pub fn add_request(&mut self, req_id: u64, prompt_token_ids: Vec<u32>, p: RequestParams) -> CoreResult<()> {
         let bad = |msg: String| Err(CoreError::InvalidRequest { req_id, msg });
-        if self.req_slots.contains_key(&req_id) {
+        if self.reqs.indices(req_id).is_some() {
             return Err(CoreError::DuplicateRequest(req_id));
         }
         if prompt_token_ids.is_empty() {
@@ -237,20 +230,19 @@ impl Scheduler {
             num_cached_blocks: 0,
         };
         self.next_arrival += 1;
-        let slot = self.new_slot(req);
-        self.req_slots.insert(req_id, vec![slot]);
-        self.enqueue_waiting(slot);
+        let idx = self.insert_request(req, false);
+        self.enqueue_waiting(idx);
         self.counters.num_requests_added += 1;
         Ok(())
     }
 
     /// Aborts every fork of `req_id`, freeing its blocks now. False if it is not live.
     pub fn abort_request(&mut self, req_id: u64) -> bool {
-        let Some(slots) = self.req_slots.get(&req_id).cloned() else {
+        let Some(forks) = self.reqs.indices(req_id).map(<[ReqIdx]>::to_vec) else {
             return false;
         };
-        for slot in slots {
-            self.finish_slot(slot, FinishReason::Abort);
+        for idx in forks {
+            self.finish(idx, FinishReason::Abort);
         }
         true
     }
@@ -258,26 +250,23 @@ impl Scheduler {
     /// Finishes a request (all forks, or fork `seq_index`) for a reason found outside the core,
     /// e.g. a stop string found by Python after detokenizing.
     pub fn finish_request(&mut self, req_id: u64, reason: FinishReason, seq_index: Option<u32>) -> CoreResult<()> {
-        let slots = self.req_slots.get(&req_id).ok_or(CoreError::UnknownRequest(req_id))?.clone();
-        let targets: Vec<u32> = match seq_index {
-            None => slots,
-            Some(k) => {
-                let found = slots.into_iter().find(|&s| self.req(s).seq_index == k);
-                vec![found.ok_or_else(|| CoreError::InvalidRequest {
-                    req_id,
-                    msg: format!("no live sequence with seq_index {k}"),
-                })?]
-            }
+        let forks = self.reqs.indices(req_id).ok_or(CoreError::UnknownRequest(req_id))?;
+        let targets: Vec<ReqIdx> = match seq_index {
+            None => forks.to_vec(),
+            Some(k) => vec![self.reqs.find_fork(req_id, k).ok_or_else(|| CoreError::InvalidRequest {
+                req_id,
+                msg: format!("no live sequence with seq_index {k}"),
+            })?],
         };
-        for slot in targets {
-            self.finish_slot(slot, reason);
+        for idx in targets {
+            self.finish(idx, reason);
         }
         Ok(())
     }
 
     /// True while any request is waiting, running or swapped.
     pub fn has_unfinished_requests(&self) -> bool {
-        !self.req_slots.is_empty()
+        !self.reqs.is_empty()
     }
 
     /// Plans one step. Fails if the previous step was not `update()`d.
@@ -312,16 +301,16 @@ impl Scheduler {
     fn schedule_running(&mut self, plan: &mut StepPlan) {
         let mut i = 0;
         while i < self.running.len() && plan.budget > 0 {
-            let slot = self.running[i];
-            let r = self.req(slot);
+            let idx = self.running[i];
+            let r = self.reqs.get(idx);
             let (req_id, num_computed) = (r.req_id, r.num_computed_tokens);
             let Some(num_new) = self.chunk(r.num_tokens() - num_computed, plan.budget) else {
                 i += 1;
                 continue;
             };
             loop {
-                if let Some(cow) = self.kv.allocate_slots(slot, num_computed, num_new) {
-                    plan.scheduled.push(Scheduled { slot, num_new, cow });
+                if let Some(cow) = self.kv.allocate_slots(idx, num_computed, num_new) {
+                    plan.scheduled.push(Scheduled { req_idx: idx, num_new, cow });
                     plan.budget -= num_new;
                     i += 1;
                     break;
@@ -329,7 +318,7 @@ impl Scheduler {
                 let v = self.choose_victim();
                 let victim = self.running[v];
                 self.preempt(v, req_id, plan);
-                if victim == slot {
+                if victim == idx {
                     break; // `i` now points at the next request
                 }
                 if v < i {
@@ -341,8 +330,8 @@ impl Scheduler {
 
     /// Swapped requests come back, in precedence order, while the whole of each fits.
     fn schedule_swapped(&mut self, plan: &mut StepPlan) {
-        while let Some(&slot) = self.swapped.front() {
-            let r = self.req(slot);
+        while let Some(&idx) = self.swapped.front() {
+            let r = self.reqs.get(idx);
             if plan.budget == 0 || self.num_running_seqs + r.num_pending_forks as usize > self.cfg.max_num_seqs {
                 break;
             }
@@ -351,7 +340,7 @@ impl Scheduler {
             let (hit, free_hits) = self.kv.match_prefix(&r.block_hashes[..keep]);
             if hit < keep {
                 self.swapped.pop_front();
-                self.recompute_lost_prefix(slot);
+                self.recompute_lost_prefix(idx);
                 continue;
             }
             let Some(num_new) = self.chunk(r.num_tokens() - num_computed, plan.budget) else { break };
@@ -361,38 +350,38 @@ impl Scheduler {
                 break;
             }
             self.swapped.pop_front();
-            let num_moved = self.kv.host_table(slot).len();
-            let r = self.reqs[slot as usize].as_mut().expect("swapped slot is live");
+            let num_moved = self.kv.host_table(idx).len();
+            let r = self.reqs.get_mut(idx);
             r.num_swap_prefix_blocks = 0;
-            self.kv.swap_in(slot, &r.block_hashes[..keep], free_hits, &mut plan.swap_in).expect("counted above");
+            self.kv.swap_in(idx, &r.block_hashes[..keep], free_hits, &mut plan.swap_in).expect("counted above");
             self.counters.num_blocks_swapped_in += num_moved as u64;
-            let cow = self.kv.allocate_slots(slot, num_computed, num_new).expect("counted above");
+            let cow = self.kv.allocate_slots(idx, num_computed, num_new).expect("counted above");
             debug_assert!(cow.is_none());
-            self.make_running(slot);
-            plan.scheduled.push(Scheduled { slot, num_new, cow });
+            self.make_running(idx);
+            plan.scheduled.push(Scheduled { req_idx: idx, num_new, cow });
             plan.budget -= num_new;
         }
     }
 
     /// A swapped request whose device-kept prefix was evicted cannot be swapped back in: it
     /// drops its host blocks and waits to be recomputed, ahead of new requests.
-    fn recompute_lost_prefix(&mut self, slot: u32) {
-        self.kv.free_host(slot);
-        let r = self.reqs[slot as usize].as_mut().expect("swapped slot is live");
+    fn recompute_lost_prefix(&mut self, idx: ReqIdx) {
+        self.kv.free_host(idx);
+        let r = self.reqs.get_mut(idx);
         self.counters.num_tokens_recomputed += r.num_computed_tokens as u64;
         r.num_computed_tokens = 0;
         r.num_cached_blocks = 0;
         r.num_swap_prefix_blocks = 0;
         r.status = RequestStatus::Waiting;
         self.counters.num_swap_prefix_lost += 1;
-        self.enqueue_waiting(slot);
+        self.enqueue_waiting(idx);
     }
 
     /// Waiting requests are admitted, in precedence order, while the whole of each fits.
     fn schedule_waiting(&mut self, plan: &mut StepPlan) {
         let bs = self.cfg.block_size;
-        while let Some(&slot) = self.waiting.front() {
-            let r = self.reqs[slot as usize].as_mut().expect("queued slot is live");
+        while let Some(&idx) = self.waiting.front() {
+            let r = self.reqs.get_mut(idx);
             if plan.budget == 0 || self.num_running_seqs + r.num_pending_forks as usize > self.cfg.max_num_seqs {
                 break;
             }
@@ -404,7 +393,7 @@ impl Scheduler {
             } else {
                 (0, 0)
             };
-            let r = self.req(slot);
+            let r = self.reqs.get(idx);
             let Some(num_new) = self.chunk(num_tokens - hit * bs, plan.budget) else { break };
             let want = if r.num_preemptions > 0 { self.continue_len(r) } else { num_tokens };
             let need = self.cfg.blocks_for(want) - hit + free_hits;
@@ -413,16 +402,16 @@ impl Scheduler {
             }
             self.waiting.pop_front();
             let num_fresh = self.cfg.blocks_for(num_tokens) - hit;
-            let r = self.reqs[slot as usize].as_mut().expect("queued slot is live");
-            self.kv.admit(slot, &r.block_hashes[..hit], free_hits, num_fresh).expect("counted above");
+            let r = self.reqs.get_mut(idx);
+            self.kv.admit(idx, &r.block_hashes[..hit], free_hits, num_fresh).expect("counted above");
             r.num_computed_tokens = hit * bs;
             r.num_cached_blocks = hit;
             if self.cfg.enable_prefix_caching {
                 self.counters.prefix_cache_queries += num_tokens as u64;
                 self.counters.prefix_cache_hits += (hit * bs) as u64;
             }
-            self.make_running(slot);
-            plan.scheduled.push(Scheduled { slot, num_new, cow: None });
+            self.make_running(idx);
+            plan.scheduled.push(Scheduled { req_idx: idx, num_new, cow: None });
             plan.budget -= num_new;
         }
     }
@@ -453,11 +442,11 @@ impl Scheduler {
         }
     }
 
-    pub(crate) fn make_running(&mut self, slot: u32) {
-        let r = self.reqs[slot as usize].as_mut().expect("live slot");
+    pub(crate) fn make_running(&mut self, idx: ReqIdx) {
+        let r = self.reqs.get_mut(idx);
         r.status = RequestStatus::Running;
         self.num_running_seqs += r.num_pending_forks as usize;
-        self.running.push(slot);
+        self.running.push(idx);
     }
 
     /// Precedence key: lower goes first (admission), higher is preempted first.
@@ -470,74 +459,51 @@ impl Scheduler {
         (prio, -(r.num_preemptions as i64), r.arrival)
     }
 
-    pub(crate) fn enqueue_waiting(&mut self, slot: u32) {
-        let key = self.rank(self.req(slot));
-        let at = self.waiting.partition_point(|&s| self.rank(self.req(s)) <= key);
-        self.waiting.insert(at, slot);
+    pub(crate) fn enqueue_waiting(&mut self, idx: ReqIdx) {
+        let key = self.rank(self.reqs.get(idx));
+        let at = self.waiting.partition_point(|&s| self.rank(self.reqs.get(s)) <= key);
+        self.waiting.insert(at, idx);
     }
 
-    pub(crate) fn enqueue_swapped(&mut self, slot: u32) {
-        let key = self.rank(self.req(slot));
-        let at = self.swapped.partition_point(|&s| self.rank(self.req(s)) <= key);
-        self.swapped.insert(at, slot);
+    pub(crate) fn enqueue_swapped(&mut self, idx: ReqIdx) {
+        let key = self.rank(self.reqs.get(idx));
+        let at = self.swapped.partition_point(|&s| self.rank(self.reqs.get(s)) <= key);
+        self.swapped.insert(at, idx);
     }
 
-    /// The live request in `slot`.
-    #[inline]
-    pub(crate) fn req(&self, slot: u32) -> &Request {
-        self.reqs[slot as usize].as_ref().expect("slot holds a live request")
+    /// Stores a request (`fork`: one more fork of a live `req_id`) and makes room for its
+    /// block tables.
+    pub(crate) fn insert_request(&mut self, req: Request, fork: bool) -> ReqIdx {
+        let idx = self.reqs.insert(req, fork);
+        self.kv.ensure_tables(idx);
+        idx
     }
 
-    pub(crate) fn new_slot(&mut self, req: Request) -> u32 {
-        let slot = match self.free_slots.pop() {
-            Some(s) => s,
-            None => {
-                self.reqs.push(None);
-                (self.reqs.len() - 1) as u32
-            }
-        };
-        self.kv.ensure_slot(slot);
-        self.reqs[slot as usize] = Some(req);
-        slot
-    }
-
-    /// Ends the request in `slot`: frees its blocks, leaves its queue, forgets it. When the last
+    /// Ends the request at `idx`: frees its blocks, leaves its queue, forgets it. When the last
     /// fork of a `req_id` ends, the id is reported in the next `finished_req_ids`.
-    pub(crate) fn finish_slot(&mut self, slot: u32, reason: FinishReason) {
-        let r = self.reqs[slot as usize].take().expect("live slot");
+    pub(crate) fn finish(&mut self, idx: ReqIdx, reason: FinishReason) {
+        // the pending step may still name the index: it is reused only after update()
+        let (r, last_fork) = self.reqs.remove(idx, self.pending.is_some());
         if reason == FinishReason::Abort {
             self.counters.num_forks_aborted += 1;
         }
         match r.status {
             RequestStatus::Running => {
-                self.kv.free(slot);
-                let at = self.running.iter().position(|&s| s == slot).expect("running slot is queued");
+                self.kv.free(idx);
+                let at = self.running.iter().position(|&i| i == idx).expect("running request is queued");
                 self.running.remove(at);
                 self.num_running_seqs -= r.num_pending_forks as usize;
             }
             RequestStatus::Swapped => {
-                self.kv.free_host(slot);
-                self.swapped.retain(|&s| s != slot);
+                self.kv.free_host(idx);
+                self.swapped.retain(|&i| i != idx);
             }
-            RequestStatus::Waiting => self.waiting.retain(|&s| s != slot),
+            RequestStatus::Waiting => self.waiting.retain(|&i| i != idx),
         }
-        let slots = self.req_slots.get_mut(&r.req_id).expect("live request is indexed");
-        slots.retain(|&s| s != slot);
-        if slots.is_empty() {
-            self.req_slots.remove(&r.req_id);
+        if last_fork {
             self.finished_req_ids.push(r.req_id as i64);
             self.counters.num_requests_finished += 1;
         }
-        if self.pending.is_some() {
-            self.deferred_slots.push(slot); // the pending step may still name it
-        } else {
-            self.free_slots.push(slot);
-        }
-    }
-
-    /// Returns slots freed during a pending step to the free list (after `update()`).
-    pub(crate) fn release_deferred_slots(&mut self) {
-        self.free_slots.append(&mut self.deferred_slots);
     }
 
     /// Queue sizes and free blocks now.
@@ -578,15 +544,13 @@ impl Scheduler {
 
     /// The device block table of the live fork `seq_index` of `req_id` (tests, debugging).
     pub fn block_table(&self, req_id: u64, seq_index: u32) -> Option<Vec<u32>> {
-        let slots = self.req_slots.get(&req_id)?;
-        let slot = slots.iter().copied().find(|&s| self.req(s).seq_index == seq_index)?;
-        Some(self.kv.table(slot).iter().map(|&b| b as u32).collect())
+        let idx = self.reqs.find_fork(req_id, seq_index)?;
+        Some(self.kv.table(idx).iter().map(|&b| b as u32).collect())
     }
 
     /// Status of the live fork `seq_index` of `req_id` (tests, debugging).
     pub fn request_status(&self, req_id: u64, seq_index: u32) -> Option<RequestStatus> {
-        let slots = self.req_slots.get(&req_id)?;
-        slots.iter().map(|&s| self.req(s)).find(|r| r.seq_index == seq_index).map(|r| r.status)
+        self.reqs.find_fork(req_id, seq_index).map(|i| self.reqs.get(i).status)
     }
 
     /// The free list of the device pool, head (evicted next) first (tests, debugging).

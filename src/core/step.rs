@@ -6,6 +6,7 @@
 //! Hot path: one pass over the scheduled requests each way; block tables are copied into
 //! `kv_indices` with one slice extend per request.
 
+use crate::arena::ReqIdx;
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache_manager::blocks_for;
 use crate::outputs::{SchedulerOutput, StepOutputs, StepStats};
@@ -27,7 +28,7 @@ impl Scheduler {
             qo_indptr: Vec::with_capacity(b + 1),
             seq_lens: Vec::with_capacity(b),
             kv_indptr: Vec::with_capacity(b + 1),
-            kv_indices: Vec::with_capacity(plan.scheduled.iter().map(|s| self.kv.table(s.slot).len()).sum()),
+            kv_indices: Vec::with_capacity(plan.scheduled.iter().map(|s| self.kv.table(s.req_idx).len()).sum()),
             kv_last_page_len: Vec::with_capacity(b),
             slot_mapping: Vec::with_capacity(t),
             logits_indices: Vec::with_capacity(b),
@@ -40,8 +41,8 @@ impl Scheduler {
         o.kv_indptr.push(0);
         let mut num_prefill_tokens = 0;
         for s in &plan.scheduled {
-            let r = self.req(s.slot);
-            let table = self.kv.table(s.slot);
+            let r = self.reqs.get(s.req_idx);
+            let table = self.kv.table(s.req_idx);
             let (start, end) = (r.num_computed_tokens, r.num_computed_tokens + s.num_new);
             o.req_ids.push(r.req_id as i64);
             o.seq_indices.push(r.seq_index as i32);
@@ -74,7 +75,7 @@ impl Scheduler {
                     o.logits_indices.push(o.input_ids.len() as i64 - 1);
                     o.sample_req_ids.push(r.req_id as i64);
                     o.sample_seq_indices.push(seq_index as i32);
-                    samples.push(Sample { slot: s.slot, req_id: r.req_id, seq_index });
+                    samples.push(Sample { req_idx: s.req_idx, req_id: r.req_id, seq_index });
                 }
                 if s.num_new > 1 {
                     num_prefill_tokens += s.num_new;
@@ -124,7 +125,7 @@ impl Scheduler {
             });
         }
         for s in &pending.scheduled {
-            self.advance(s.slot, s.num_new);
+            self.advance(s.req_idx, s.num_new);
         }
         let n = pending.samples.len();
         let mut out = StepOutputs {
@@ -135,8 +136,8 @@ impl Scheduler {
         };
         let mut i = 0;
         while i < n {
-            let Sample { slot, req_id, seq_index } = pending.samples[i];
-            let alive = self.reqs[slot as usize].as_ref().is_some_and(|r| r.status == RequestStatus::Running);
+            let Sample { req_idx: idx, req_id, seq_index } = pending.samples[i];
+            let alive = self.reqs.try_get(idx).is_some_and(|r| r.status == RequestStatus::Running);
             let token = sampled_token_ids[i];
             out.req_ids.push(req_id as i64);
             out.new_token_ids.push(token);
@@ -144,14 +145,14 @@ impl Scheduler {
                 out.seq_indices.push(seq_index as i32);
                 out.finish_reasons.push(Some(FinishReason::Abort));
                 i += 1;
-            } else if self.req(slot).num_pending_forks == 1 {
+            } else if self.reqs.get(idx).num_pending_forks == 1 {
                 out.seq_indices.push(seq_index as i32);
-                out.finish_reasons.push(self.append(slot, token as u32));
+                out.finish_reasons.push(self.append(idx, token as u32));
                 i += 1;
             } else {
                 out.req_ids.pop();
                 out.new_token_ids.pop();
-                for (k, target) in self.fork(slot).into_iter().enumerate() {
+                for (k, target) in self.fork(idx).into_iter().enumerate() {
                     let token = sampled_token_ids[i];
                     out.req_ids.push(req_id as i64);
                     out.seq_indices.push(k as i32);
@@ -161,14 +162,15 @@ impl Scheduler {
                 }
             }
         }
-        self.release_deferred_slots();
+        self.reqs.release_deferred();
         self.counters.scheduler_ns += started.elapsed().as_nanos() as u64;
         Ok(out)
     }
 
-    /// The forward computed `num_new` more tokens of `slot`: count them and cache full blocks.
-    fn advance(&mut self, slot: u32, num_new: usize) {
-        let Some(r) = self.reqs[slot as usize].as_mut().filter(|r| r.status == RequestStatus::Running) else {
+    /// The forward computed `num_new` more tokens of request `idx`: count them and cache full
+    /// blocks.
+    fn advance(&mut self, idx: ReqIdx, num_new: usize) {
+        let Some(r) = self.reqs.try_get_mut(idx).filter(|r| r.status == RequestStatus::Running) else {
             return; // aborted or finished after schedule()
         };
         r.num_computed_tokens += num_new;
@@ -179,40 +181,39 @@ impl Scheduler {
         if num_full > r.num_cached_blocks {
             let known = &r.token_ids[..num_full * self.cfg.block_size];
             self.kv.prefix_cache.hash_blocks(&mut r.block_hashes, known, self.cfg.block_size);
-            self.kv.cache_blocks(slot, &r.block_hashes, r.num_cached_blocks, num_full);
+            self.kv.cache_blocks(idx, &r.block_hashes, r.num_cached_blocks, num_full);
             r.num_cached_blocks = num_full;
         }
     }
 
-    /// Appends `token` to `slot`; finishes it when a stop condition holds.
-    fn append(&mut self, slot: u32, token: u32) -> Option<FinishReason> {
+    /// Appends `token` to request `idx`; finishes it when a stop condition holds.
+    fn append(&mut self, idx: ReqIdx, token: u32) -> Option<FinishReason> {
         let max_model_len = self.cfg.max_model_len;
-        let r = self.reqs[slot as usize].as_mut().expect("live slot");
+        let r = self.reqs.get_mut(idx);
         let finish = r.append_token(token, max_model_len);
         self.counters.num_generated_tokens += 1;
         if let Some(reason) = finish {
-            self.finish_slot(slot, reason);
+            self.finish(idx, reason);
         }
         finish
     }
 
     /// Forks an unforked parent whose prompt just completed into its `n` sequences; returns
-    /// their slots in `seq_index` order (the parent first).
-    fn fork(&mut self, parent: u32) -> Vec<u32> {
-        let p = self.reqs[parent as usize].as_mut().expect("live slot");
+    /// their indices in `seq_index` order (the parent first).
+    fn fork(&mut self, parent: ReqIdx) -> Vec<ReqIdx> {
+        let p = self.reqs.get_mut(parent);
         let n = std::mem::replace(&mut p.num_pending_forks, 1);
         let template: Request = p.clone();
-        let mut slots = Vec::with_capacity(n as usize);
-        slots.push(parent);
+        let mut forks = Vec::with_capacity(n as usize);
+        forks.push(parent);
         for k in 1..n {
             let child = Request { seq_index: k, ..template.clone() };
-            let slot = self.new_slot(child);
-            self.kv.fork(parent, slot);
-            self.running.push(slot);
-            self.req_slots.get_mut(&template.req_id).expect("live request is indexed").push(slot);
-            slots.push(slot);
+            let idx = self.insert_request(child, true);
+            self.kv.fork(parent, idx);
+            self.running.push(idx);
+            forks.push(idx);
         }
-        slots
+        forks
     }
 }
 

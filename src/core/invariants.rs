@@ -46,12 +46,7 @@ impl Scheduler {
             if r.num_computed_tokens > r.num_tokens() {
                 return Err(format!("{id} computed more tokens than it has"));
             }
-            let (in_waiting, in_running, in_swapped) = (
-                self.waiting.iter().filter(|&&i| i == idx).count(),
-                self.running.iter().filter(|&&i| i == idx).count(),
-                self.swapped.iter().filter(|&&i| i == idx).count(),
-            );
-            let queues = (in_waiting, in_running, in_swapped);
+            let queues = self.queues.count(idx);
             match r.status {
                 RequestStatus::Waiting => {
                     if queues != (1, 0, 0) || !table.is_empty() || !host_table.is_empty() || r.num_computed_tokens != 0
@@ -108,15 +103,17 @@ impl Scheduler {
         if used + kv.host.num_free() + 1 != kv.host.num_blocks() {
             return Err("host: free + used + null != total".into());
         }
-        if num_live != self.waiting.len() + self.running.len() + self.swapped.len() {
+        let (num_waiting, num_running, num_swapped) = self.queues.lens();
+        if num_live != num_waiting + num_running + num_swapped {
             return Err("a queue holds a request twice or a dead one".into());
         }
         if self.reqs.num_indexed() != num_live {
             return Err("req_id index out of step with the live requests".into());
         }
-        let seqs: usize = self.running.iter().map(|&i| self.reqs.get(i).num_pending_forks as usize).sum();
-        if seqs != self.num_running_seqs || seqs > self.cfg.max_num_seqs {
-            return Err(format!("running forks {seqs} (counted {}) vs max_num_seqs", self.num_running_seqs));
+        let seqs: usize = self.queues.running().iter().map(|&i| self.reqs.get(i).num_pending_forks as usize).sum();
+        let counted = self.queues.num_running_seqs();
+        if seqs != counted || seqs > self.cfg.max_num_seqs {
+            return Err(format!("running forks {seqs} (counted {counted}) vs max_num_seqs"));
         }
         let last = &self.last_step;
         if last.num_scheduled_tokens > self.cfg.max_num_batched_tokens {

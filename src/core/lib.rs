@@ -20,6 +20,7 @@ pub mod kv_cache_manager;
 pub mod outputs;
 mod preemption;
 pub mod prefix_cache;
+pub mod queues;
 pub mod request;
 pub mod scheduler;
 mod step;

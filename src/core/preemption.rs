@@ -25,6 +25,7 @@
 use crate::arena::ReqIdx;
 use crate::config::{PreemptionMode, PreemptionModeConfig};
 use crate::outputs::{PreemptionEvent, PreemptionReason};
+use crate::queues::precedence;
 use crate::request::RequestStatus;
 use crate::scheduler::{Scheduler, StepPlan};
 
@@ -81,21 +82,22 @@ impl Scheduler {
 
     /// Index in `running` of the next victim (never called with `running` empty).
     pub(crate) fn choose_victim(&self) -> usize {
-        let key = |i: usize| self.rank(self.reqs.get(self.running[i]));
-        let worst = (0..self.running.len()).max_by_key(|&i| key(i)).expect("running is not empty");
+        let running = self.queues.running();
+        let key = |i: usize| precedence(self.cfg.policy, self.reqs.get(running[i]));
+        let worst = (0..running.len()).max_by_key(|&i| key(i)).expect("running is not empty");
         if self.cfg.preemption_mode != PreemptionModeConfig::Auto {
             return worst;
         }
         let (w_prio, w_pre, _) = key(worst);
         let score = |i: usize| {
-            let idx = self.running[i];
+            let idx = running[i];
             let freed = self.kv.num_exclusive_blocks(idx) as f64;
             freed / (self.restore_cost(idx).cheaper().1 + 1e-9)
         };
         // The policy's victim stays unless another in its class is clearly better: a near tie
         // (most victims free blocks at about the same rate) must not reorder fcfs by noise.
         let mut best = (worst, score(worst));
-        for i in 0..self.running.len() {
+        for i in 0..running.len() {
             let k = key(i);
             if i == worst || (k.0, k.1) != (w_prio, w_pre) {
                 continue;
@@ -110,7 +112,8 @@ impl Scheduler {
 
     /// Preempts `running[at]` to make room for `for_req_id`; undoes its part of the step plan.
     pub(crate) fn preempt(&mut self, at: usize, for_req_id: u64, plan: &mut StepPlan) {
-        let idx = self.running.remove(at);
+        let idx = self.queues.running()[at];
+        self.queues.remove_running_at(at, self.reqs.get(idx).num_pending_forks as usize);
         // undo its part of this step: the budget comes back; a copy-on-write it planned is dropped
         let mut dropped_cow = None;
         if let Some(pos) = plan.scheduled.iter().position(|s| s.req_idx == idx) {
@@ -135,7 +138,6 @@ impl Scheduler {
         let free_before = self.kv.num_free();
         let r = self.reqs.get_mut(idx);
         r.num_preemptions += 1;
-        self.num_running_seqs -= r.num_pending_forks as usize;
         match mode {
             PreemptionMode::Recompute => {
                 self.kv.free(idx);
@@ -147,7 +149,7 @@ impl Scheduler {
                 if reason == PreemptionReason::HostFull {
                     self.counters.num_swap_fallbacks += 1;
                 }
-                self.enqueue_waiting(idx);
+                self.queues.push_waiting(idx, &self.reqs, self.cfg.policy);
             }
             PreemptionMode::Swap => {
                 let keep = cost.num_blocks_kept;
@@ -169,7 +171,7 @@ impl Scheduler {
                 r.status = RequestStatus::Swapped;
                 self.counters.num_preemptions_swap += 1;
                 self.counters.num_blocks_swapped_out += cost.num_blocks_to_move as u64;
-                self.enqueue_swapped(idx);
+                self.queues.push_swapped(idx, &self.reqs, self.cfg.policy);
             }
         }
         let r = self.reqs.get(idx);

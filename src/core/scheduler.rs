@@ -14,15 +14,13 @@
 //!
 //! Then `update()` (`step.rs`) takes one sampled token per sample row.
 //!
-//! Precedence (lower is first): policy "fcfs" orders by (-num_preemptions, arrival); "priority"
-//! by (priority, -num_preemptions, arrival). Waiting and swapped queues are kept in this order;
+//! Precedence ("fcfs" or "priority") orders the waiting and swapped queues (`queues.rs`);
 //! victims come from the other end.
 //!
 //! Invariants (checked by `check_invariants`, DESIGN.md §6): every live request is in exactly
 //! one queue matching its status; running requests hold device blocks only, swapped ones host
 //! blocks only, waiting ones none; the running forks never exceed `max_num_seqs`.
 
-use std::collections::VecDeque;
 use std::time::Instant;
 
 use crate::arena::{ReqIdx, RequestArena};
@@ -30,6 +28,7 @@ use crate::config::SchedulerConfig;
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache_manager::{BlockCopy, KvCacheManager};
 use crate::outputs::{PreemptionEvent, SchedulerOutput, StepStats};
+use crate::queues::Queues;
 use crate::request::{FinishReason, Request, RequestStatus, StopParams};
 
 /// Sampling-independent parameters of a new request.
@@ -120,11 +119,7 @@ pub struct Scheduler {
     pub(crate) cfg: SchedulerConfig,
     pub(crate) kv: KvCacheManager,
     pub(crate) reqs: RequestArena,
-    pub(crate) waiting: VecDeque<ReqIdx>,
-    pub(crate) running: Vec<ReqIdx>,
-    pub(crate) swapped: VecDeque<ReqIdx>,
-    /// Running forks, counting an unforked parent as its `n`.
-    pub(crate) num_running_seqs: usize,
+    pub(crate) queues: Queues,
     next_arrival: u64,
     pub(crate) step: u64,
     pub(crate) pending: Option<PendingStep>,
@@ -147,10 +142,7 @@ impl Scheduler {
             cfg,
             kv,
             reqs: RequestArena::new(),
-            waiting: VecDeque::new(),
-            running: Vec::new(),
-            swapped: VecDeque::new(),
-            num_running_seqs: 0,
+            queues: Queues::new(),
             next_arrival: 0,
             step: 0,
             pending: None,
@@ -231,7 +223,7 @@ impl Scheduler {
         };
         self.next_arrival += 1;
         let idx = self.insert_request(req, false);
-        self.enqueue_waiting(idx);
+        self.queues.push_waiting(idx, &self.reqs, self.cfg.policy);
         self.counters.num_requests_added += 1;
         Ok(())
     }
@@ -275,15 +267,16 @@ impl Scheduler {
             return Err(CoreError::OutOfOrder("schedule() called twice without update() in between"));
         }
         let started = Instant::now();
+        let (num_waiting, num_running, num_swapped) = self.queues.lens();
         let mut plan = StepPlan {
             budget: self.cfg.max_num_batched_tokens,
-            scheduled: Vec::with_capacity(self.running.len() + self.swapped.len() + self.waiting.len().min(64)),
+            scheduled: Vec::with_capacity(num_running + num_swapped + num_waiting.min(64)),
             ..StepPlan::default()
         };
         self.schedule_running(&mut plan);
         if plan.preempted.is_empty() {
             self.schedule_swapped(&mut plan);
-            if self.swapped.is_empty() {
+            if self.queues.next_swapped().is_none() {
                 self.schedule_waiting(&mut plan);
             }
         }
@@ -300,8 +293,8 @@ impl Scheduler {
     /// Running requests get their next tokens, preempting others when blocks run out.
     fn schedule_running(&mut self, plan: &mut StepPlan) {
         let mut i = 0;
-        while i < self.running.len() && plan.budget > 0 {
-            let idx = self.running[i];
+        while i < self.queues.running().len() && plan.budget > 0 {
+            let idx = self.queues.running()[i];
             let r = self.reqs.get(idx);
             let (req_id, num_computed) = (r.req_id, r.num_computed_tokens);
             let Some(num_new) = self.chunk(r.num_tokens() - num_computed, plan.budget) else {
@@ -316,7 +309,7 @@ impl Scheduler {
                     break;
                 }
                 let v = self.choose_victim();
-                let victim = self.running[v];
+                let victim = self.queues.running()[v];
                 self.preempt(v, req_id, plan);
                 if victim == idx {
                     break; // `i` now points at the next request
@@ -330,16 +323,17 @@ impl Scheduler {
 
     /// Swapped requests come back, in precedence order, while the whole of each fits.
     fn schedule_swapped(&mut self, plan: &mut StepPlan) {
-        while let Some(&idx) = self.swapped.front() {
+        while let Some(idx) = self.queues.next_swapped() {
             let r = self.reqs.get(idx);
-            if plan.budget == 0 || self.num_running_seqs + r.num_pending_forks as usize > self.cfg.max_num_seqs {
+            if plan.budget == 0 || self.queues.num_running_seqs() + r.num_pending_forks as usize > self.cfg.max_num_seqs
+            {
                 break;
             }
             let num_computed = r.num_computed_tokens;
             let keep = r.num_swap_prefix_blocks;
             let (hit, free_hits) = self.kv.match_prefix(&r.block_hashes[..keep]);
             if hit < keep {
-                self.swapped.pop_front();
+                self.queues.pop_swapped();
                 self.recompute_lost_prefix(idx);
                 continue;
             }
@@ -349,7 +343,7 @@ impl Scheduler {
             if self.kv.num_free() < need + self.watermark_now() {
                 break;
             }
-            self.swapped.pop_front();
+            self.queues.pop_swapped();
             let num_moved = self.kv.host_table(idx).len();
             let r = self.reqs.get_mut(idx);
             r.num_swap_prefix_blocks = 0;
@@ -374,15 +368,16 @@ impl Scheduler {
         r.num_swap_prefix_blocks = 0;
         r.status = RequestStatus::Waiting;
         self.counters.num_swap_prefix_lost += 1;
-        self.enqueue_waiting(idx);
+        self.queues.push_waiting(idx, &self.reqs, self.cfg.policy);
     }
 
     /// Waiting requests are admitted, in precedence order, while the whole of each fits.
     fn schedule_waiting(&mut self, plan: &mut StepPlan) {
         let bs = self.cfg.block_size;
-        while let Some(&idx) = self.waiting.front() {
+        while let Some(idx) = self.queues.next_waiting() {
             let r = self.reqs.get_mut(idx);
-            if plan.budget == 0 || self.num_running_seqs + r.num_pending_forks as usize > self.cfg.max_num_seqs {
+            if plan.budget == 0 || self.queues.num_running_seqs() + r.num_pending_forks as usize > self.cfg.max_num_seqs
+            {
                 break;
             }
             let num_tokens = r.num_tokens();
@@ -400,7 +395,7 @@ impl Scheduler {
             if self.kv.num_free() < need + self.watermark_now() {
                 break;
             }
-            self.waiting.pop_front();
+            self.queues.pop_waiting();
             let num_fresh = self.cfg.blocks_for(num_tokens) - hit;
             let r = self.reqs.get_mut(idx);
             self.kv.admit(idx, &r.block_hashes[..hit], free_hits, num_fresh).expect("counted above");
@@ -435,7 +430,7 @@ impl Scheduler {
     /// The free-block reserve admission respects; none when nothing runs (so a request as large
     /// as the pool is still admitted).
     fn watermark_now(&self) -> usize {
-        if self.running.is_empty() {
+        if self.queues.running().is_empty() {
             0
         } else {
             self.cfg.watermark_blocks()
@@ -445,30 +440,7 @@ impl Scheduler {
     pub(crate) fn make_running(&mut self, idx: ReqIdx) {
         let r = self.reqs.get_mut(idx);
         r.status = RequestStatus::Running;
-        self.num_running_seqs += r.num_pending_forks as usize;
-        self.running.push(idx);
-    }
-
-    /// Precedence key: lower goes first (admission), higher is preempted first.
-    #[inline]
-    pub(crate) fn rank(&self, r: &Request) -> (i64, i64, u64) {
-        let prio = match self.cfg.policy {
-            crate::config::Policy::Fcfs => 0,
-            crate::config::Policy::Priority => r.priority as i64,
-        };
-        (prio, -(r.num_preemptions as i64), r.arrival)
-    }
-
-    pub(crate) fn enqueue_waiting(&mut self, idx: ReqIdx) {
-        let key = self.rank(self.reqs.get(idx));
-        let at = self.waiting.partition_point(|&s| self.rank(self.reqs.get(s)) <= key);
-        self.waiting.insert(at, idx);
-    }
-
-    pub(crate) fn enqueue_swapped(&mut self, idx: ReqIdx) {
-        let key = self.rank(self.reqs.get(idx));
-        let at = self.swapped.partition_point(|&s| self.rank(self.reqs.get(s)) <= key);
-        self.swapped.insert(at, idx);
+        self.queues.push_running(idx, r.num_pending_forks as usize);
     }
 
     /// Stores a request (`fork`: one more fork of a live `req_id`) and makes room for its
@@ -490,16 +462,11 @@ impl Scheduler {
         match r.status {
             RequestStatus::Running => {
                 self.kv.free(idx);
-                let at = self.running.iter().position(|&i| i == idx).expect("running request is queued");
-                self.running.remove(at);
-                self.num_running_seqs -= r.num_pending_forks as usize;
             }
-            RequestStatus::Swapped => {
-                self.kv.free_host(idx);
-                self.swapped.retain(|&i| i != idx);
-            }
-            RequestStatus::Waiting => self.waiting.retain(|&i| i != idx),
+            RequestStatus::Swapped => self.kv.free_host(idx),
+            RequestStatus::Waiting => {}
         }
+        self.queues.remove(idx, r.status, r.num_pending_forks as usize);
         if last_fork {
             self.finished_req_ids.push(r.req_id as i64);
             self.counters.num_requests_finished += 1;
@@ -510,9 +477,7 @@ impl Scheduler {
     pub(crate) fn gauges(&self, stats: &mut StepStats) {
         stats.num_free_device_blocks = self.kv.num_free();
         stats.num_free_host_blocks = self.kv.num_free_host();
-        stats.num_running = self.running.len();
-        stats.num_waiting = self.waiting.len();
-        stats.num_swapped = self.swapped.len();
+        (stats.num_waiting, stats.num_running, stats.num_swapped) = self.queues.lens();
     }
 
     /// Takes the preemption events emitted since the last call.

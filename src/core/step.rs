@@ -210,7 +210,7 @@ impl Scheduler {
             let child = Request { seq_index: k, ..template.clone() };
             let idx = self.insert_request(child, true);
             self.kv.fork(parent, idx);
-            self.running.push(idx);
+            self.queues.push_fork(idx);
             forks.push(idx);
         }
         forks

@@ -1,7 +1,6 @@
 //! `check_invariants()`: verifies the whole state against DESIGN.md §6. O(state); for tests and
 //! debugging, never on the hot path.
 
-use crate::block_pool::NULL_BLOCK;
 use crate::error::{CoreError, CoreResult};
 use crate::request::RequestStatus;
 use crate::scheduler::Scheduler;
@@ -15,14 +14,7 @@ impl Scheduler {
 
     fn check_all(&self) -> Result<(), String> {
         let kv = &self.kv;
-        kv.device.check("device pool")?;
-        kv.host.check("host pool")?;
-        if kv.enable_prefix_caching {
-            kv.prefix_cache.check()?;
-        }
-        // reference counts equal table membership, separately per pool
-        let mut dev_refs = vec![0u32; kv.device.num_blocks()];
-        let mut host_refs = vec![0u32; kv.host.num_blocks()];
+        kv.check()?;
         let mut num_live = 0;
         for (idx, req) in self.reqs.iter() {
             let (table, host_table) = (kv.table(idx), kv.host_table(idx));
@@ -33,16 +25,7 @@ impl Scheduler {
                 continue;
             };
             num_live += 1;
-            for &b in table {
-                dev_refs[b as usize] += 1;
-            }
-            for &b in host_table {
-                host_refs[b as usize] += 1;
-            }
             let id = format!("request {} fork {}", r.req_id, r.seq_index);
-            if table.contains(&(NULL_BLOCK as i32)) || host_table.contains(&(NULL_BLOCK as i32)) {
-                return Err(format!("{id} holds the null block"));
-            }
             if r.num_computed_tokens > r.num_tokens() {
                 return Err(format!("{id} computed more tokens than it has"));
             }
@@ -57,13 +40,6 @@ impl Scheduler {
                 RequestStatus::Running => {
                     if queues != (0, 1, 0) || !host_table.is_empty() {
                         return Err(format!("{id} is running but holds host blocks or sits in {queues:?}"));
-                    }
-                    // sharing outside the prefix cache comes only from forks, which must be
-                    // marked so that a write into a shared block copies it first
-                    let shared_uncached =
-                        table.iter().any(|&b| kv.device.ref_cnt(b as u32) > 1 && !kv.prefix_cache.is_cached(b as u32));
-                    if shared_uncached && !kv.forked[idx.get()] {
-                        return Err(format!("{id} shares an uncached block but is not marked forked"));
                     }
                     if table.len() < self.cfg.blocks_for(r.num_computed_tokens) {
                         return Err(format!("{id}'s table does not cover its computed tokens"));
@@ -81,27 +57,6 @@ impl Scheduler {
             if !self.reqs.indices(r.req_id).is_some_and(|v| v.contains(&idx)) {
                 return Err(format!("{id} is not indexed by its req_id"));
             }
-        }
-        for (b, &n) in dev_refs.iter().enumerate().skip(1) {
-            if kv.device.ref_cnt(b as u32) != n {
-                return Err(format!(
-                    "device block {b}: ref_cnt {} but {n} tables hold it",
-                    kv.device.ref_cnt(b as u32)
-                ));
-            }
-        }
-        for (b, &n) in host_refs.iter().enumerate().skip(1) {
-            if kv.host.ref_cnt(b as u32) != n {
-                return Err(format!("host block {b}: ref_cnt {} but {n} tables hold it", kv.host.ref_cnt(b as u32)));
-            }
-        }
-        let used = dev_refs.iter().skip(1).filter(|&&n| n > 0).count();
-        if used + kv.device.num_free() + 1 != kv.device.num_blocks() {
-            return Err("device: free + used + null != total".into());
-        }
-        let used = host_refs.iter().skip(1).filter(|&&n| n > 0).count();
-        if used + kv.host.num_free() + 1 != kv.host.num_blocks() {
-            return Err("host: free + used + null != total".into());
         }
         let (num_waiting, num_running, num_swapped) = self.queues.lens();
         if num_live != num_waiting + num_running + num_swapped {

@@ -3,7 +3,7 @@
 //!
 //! Check/commit pairs: the scheduler asks `num_new_blocks` / `num_free`, then commits with
 //! `admit` or `allocate_slots`, which return `None` when the blocks are not there (a value, not
-//! an error). Swapping lives in `swap.rs` on the same type.
+//! an error). Swapping lives in `kv_cache_manager/swap.rs` on the same type.
 //!
 //! Tables hold block ids as i32, the dtype they cross the boundary in, so building
 //! `kv_indices` is a plain copy.
@@ -12,25 +12,27 @@
 //! hold it; a table never holds `NULL_BLOCK`; a request holds a device table or a host table,
 //! not both.
 
+mod swap;
+
 use crate::arena::ReqIdx;
-use crate::block_pool::BlockPool;
+use crate::block_pool::{BlockPool, NULL_BLOCK};
 use crate::prefix_cache::PrefixCache;
 
 /// The block bookkeeping of one scheduler.
 #[derive(Debug, Clone)]
 pub struct KvCacheManager {
-    pub(crate) block_size: usize,
+    block_size: usize,
     /// log2(block_size): block arithmetic is shifts and masks on the hot path.
-    pub(crate) block_shift: u32,
-    pub(crate) device: BlockPool,
-    pub(crate) host: BlockPool,
-    pub(crate) prefix_cache: PrefixCache,
-    pub(crate) enable_prefix_caching: bool,
-    pub(crate) tables: Vec<Vec<i32>>,
-    pub(crate) host_tables: Vec<Vec<i32>>,
+    block_shift: u32,
+    device: BlockPool,
+    host: BlockPool,
+    prefix_cache: PrefixCache,
+    enable_prefix_caching: bool,
+    tables: Vec<Vec<i32>>,
+    host_tables: Vec<Vec<i32>>,
     /// Requests whose device table may share a partly filled block (set by `fork`, cleared when
     /// the table is dropped): only they can need a copy-on-write, so others skip the check.
-    pub(crate) forked: Vec<bool>,
+    forked: Vec<bool>,
 }
 
 /// A copy-on-write the step must run before the forward: (src, dst) device blocks.
@@ -93,6 +95,22 @@ impl KvCacheManager {
     #[inline]
     pub fn num_free_host(&self) -> usize {
         self.host.num_free()
+    }
+
+    /// Blocks registered in the prefix cache (free or in use).
+    pub fn num_cached_blocks(&self) -> usize {
+        self.prefix_cache.len()
+    }
+
+    /// The device pool's free list, head (evicted next) first (tests, debugging).
+    pub fn device_free_list(&self) -> Vec<u32> {
+        self.device.free_list()
+    }
+
+    /// Appends to `hashes` the prefix hashes of the full blocks of `token_ids` it lacks.
+    #[inline]
+    pub fn hash_blocks(&mut self, hashes: &mut Vec<u128>, token_ids: &[i32]) {
+        self.prefix_cache.hash_blocks(hashes, token_ids, self.block_size);
     }
 
     /// Leading blocks of `hashes` found in the prefix cache, and how many of them are currently
@@ -184,7 +202,7 @@ impl KvCacheManager {
 
     /// Takes a block off the free list, forgetting the content it cached.
     #[inline]
-    pub(crate) fn allocate_block(&mut self) -> Option<u32> {
+    fn allocate_block(&mut self) -> Option<u32> {
         let b = self.device.allocate()?;
         if self.enable_prefix_caching {
             self.prefix_cache.evict(b);
@@ -250,6 +268,54 @@ impl KvCacheManager {
             .take_while(|&&b| self.device.ref_cnt(b as u32) > 1 && self.prefix_cache.is_cached(b as u32))
             .count()
     }
+
+    /// Checks both pools and the prefix cache; that each block's `ref_cnt` equals the number of
+    /// tables holding it and free + used + null = total, per pool; that no table holds
+    /// `NULL_BLOCK`; and that a table sharing an uncached block is marked forked
+    /// (`check_invariants`).
+    pub fn check(&self) -> Result<(), String> {
+        self.device.check("device pool")?;
+        self.host.check("host pool")?;
+        if self.enable_prefix_caching {
+            self.prefix_cache.check()?;
+        }
+        check_ref_counts("device", &self.device, &self.tables)?;
+        check_ref_counts("host", &self.host, &self.host_tables)?;
+        for (i, table) in self.tables.iter().enumerate() {
+            // sharing outside the prefix cache comes only from forks, which must be marked so
+            // that a write into a shared block copies it first
+            let shared_uncached =
+                table.iter().any(|&b| self.device.ref_cnt(b as u32) > 1 && !self.prefix_cache.is_cached(b as u32));
+            if shared_uncached && !self.forked[i] {
+                return Err(format!("request index {i} shares an uncached block but is not marked forked"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Each block's `ref_cnt` in `pool` equals the number of `tables` holding it; none holds the
+/// null block; free + used + null = total.
+fn check_ref_counts(name: &str, pool: &BlockPool, tables: &[Vec<i32>]) -> Result<(), String> {
+    let mut refs = vec![0u32; pool.num_blocks()];
+    for (i, table) in tables.iter().enumerate() {
+        for &b in table {
+            if b as u32 == NULL_BLOCK {
+                return Err(format!("request index {i} holds the {name} null block"));
+            }
+            refs[b as usize] += 1;
+        }
+    }
+    for (b, &n) in refs.iter().enumerate().skip(1) {
+        if pool.ref_cnt(b as u32) != n {
+            return Err(format!("{name} block {b}: ref_cnt {} but {n} tables hold it", pool.ref_cnt(b as u32)));
+        }
+    }
+    let used = refs.iter().skip(1).filter(|&&n| n > 0).count();
+    if used + pool.num_free() + 1 != pool.num_blocks() {
+        return Err(format!("{name}: free + used + null != total"));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -288,5 +354,17 @@ mod tests {
         assert_eq!(kv.table(R0), &[1, 2, 3]);
         assert_eq!(kv.free(R0), 3);
         assert_eq!(kv.device.free_list(), vec![1, 2, 3]); // uncached blocks go to the head
+    }
+
+    #[test]
+    fn check_finds_references_the_tables_do_not_account_for() {
+        let mut kv = KvCacheManager::new(4, 4, 0, true);
+        kv.ensure_tables(R1);
+        kv.admit(R0, &[], 0, 2).unwrap();
+        kv.check().unwrap();
+        kv.tables[1].push(1); // a second table holds block 1 without a reference
+        assert_eq!(kv.check().unwrap_err(), "device block 1: ref_cnt 1 but 2 tables hold it");
+        kv.device.touch(1); // counted now, but shared, uncached, by tables not marked forked
+        assert!(kv.check().unwrap_err().ends_with("not marked forked"));
     }
 }

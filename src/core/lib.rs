@@ -24,7 +24,6 @@ pub mod queues;
 pub mod request;
 pub mod scheduler;
 mod step;
-pub mod swap;
 
 pub use config::{Policy, PreemptionMode, PreemptionModeConfig, SchedulerConfig};
 pub use error::{CoreError, CoreResult};

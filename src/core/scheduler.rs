@@ -382,7 +382,7 @@ impl Scheduler {
             }
             let num_tokens = r.num_tokens();
             let (hit, free_hits) = if self.cfg.enable_prefix_caching {
-                self.kv.prefix_cache.hash_blocks(&mut r.block_hashes, &r.token_ids, bs);
+                self.kv.hash_blocks(&mut r.block_hashes, &r.token_ids);
                 let max_hit = ((num_tokens - 1) / bs).min(r.block_hashes.len());
                 self.kv.match_prefix(&r.block_hashes[..max_hit])
             } else {
@@ -504,7 +504,7 @@ impl Scheduler {
 
     /// Blocks cached in the prefix cache (free or in use).
     pub fn num_cached_blocks(&self) -> usize {
-        self.kv.prefix_cache.len()
+        self.kv.num_cached_blocks()
     }
 
     /// The device block table of the live fork `seq_index` of `req_id` (tests, debugging).
@@ -520,6 +520,6 @@ impl Scheduler {
 
     /// The free list of the device pool, head (evicted next) first (tests, debugging).
     pub fn device_free_list(&self) -> Vec<u32> {
-        self.kv.device.free_list()
+        self.kv.device_free_list()
     }
 }

@@ -180,7 +180,7 @@ impl Scheduler {
         let num_full = r.num_computed_tokens >> self.cfg.block_size.trailing_zeros();
         if num_full > r.num_cached_blocks {
             let known = &r.token_ids[..num_full * self.cfg.block_size];
-            self.kv.prefix_cache.hash_blocks(&mut r.block_hashes, known, self.cfg.block_size);
+            self.kv.hash_blocks(&mut r.block_hashes, known);
             self.kv.cache_blocks(idx, &r.block_hashes, r.num_cached_blocks, num_full);
             r.num_cached_blocks = num_full;
         }

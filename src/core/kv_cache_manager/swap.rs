@@ -12,8 +12,8 @@
 //! all before the forward. The scheduler never swaps in during a step that swapped out, so a
 //! block freed by one plan is never the target of the other in the same step.
 
+use super::KvCacheManager;
 use crate::arena::ReqIdx;
-use crate::kv_cache_manager::KvCacheManager;
 
 impl KvCacheManager {
     /// Moves the request's device table past its first `keep` blocks to host blocks, appending
@@ -83,8 +83,8 @@ impl KvCacheManager {
 
 #[cfg(test)]
 mod tests {
+    use super::KvCacheManager;
     use crate::arena::ReqIdx;
-    use crate::kv_cache_manager::KvCacheManager;
 
     const R0: ReqIdx = ReqIdx::new(0);
     const R1: ReqIdx = ReqIdx::new(1);

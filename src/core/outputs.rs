@@ -1,5 +1,5 @@
 //! What crosses to Python each step: `SchedulerOutput` from `schedule()`, `StepOutputs` from
-//! `update()`, and the telemetry records (`PreemptionEvent`, `StepStats`).
+//! `update()`, and the telemetry records (`PreemptionEvent`, `StepStats`, `Counters`).
 //!
 //! Every field is a flat `Vec` of the dtype the binding hands to numpy without copying; the
 //! binding documents shapes in `_core.pyi`. B = scheduled requests, T = scheduled tokens,
@@ -89,6 +89,38 @@ pub struct StepStats {
     pub num_preemptions: usize,
     /// Wall time of the `schedule()` call that planned this step, in nanoseconds.
     pub schedule_ns: u64,
+}
+
+/// Cumulative counters since construction.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Counters {
+    pub num_steps: u64,
+    pub num_requests_added: u64,
+    pub num_requests_finished: u64,
+    pub num_scheduled_tokens: u64,
+    pub num_generated_tokens: u64,
+    pub num_preemptions_recompute: u64,
+    pub num_preemptions_swap: u64,
+    /// Swaps wanted but refused for lack of host blocks (done as recompute instead).
+    pub num_swap_fallbacks: u64,
+    pub num_blocks_swapped_out: u64,
+    pub num_blocks_swapped_in: u64,
+    pub num_blocks_copied: u64,
+    /// Tokens recomputed because of recompute preemptions (estimated at preemption).
+    pub num_tokens_recomputed: u64,
+    /// Tokens looked up in the prefix cache at admission, and tokens found.
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+    /// Preemption events emitted (drained or not).
+    pub num_events: u64,
+    /// Forks ended by `abort_request` or `finish_request(.., Abort)`.
+    pub num_forks_aborted: u64,
+    /// Leading blocks swaps left on the device (cached, shared) instead of copying them.
+    pub num_blocks_kept_on_swap: u64,
+    /// Swapped requests whose device-kept prefix was evicted meanwhile: recomputed instead.
+    pub num_swap_prefix_lost: u64,
+    /// Wall time spent inside `schedule()` and `update()`, in nanoseconds.
+    pub scheduler_ns: u64,
 }
 
 /// The result of `update()`, one entry per sample of the step.

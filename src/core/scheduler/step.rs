@@ -3,19 +3,37 @@
 //! (`update`): advancing `num_computed_tokens`, registering newly full blocks in the prefix
 //! cache, forking `n > 1` requests, appending tokens and checking stop conditions.
 //!
+//! Between the two, the `PendingStep` (owned here) remembers the scheduled requests and the
+//! sample rows, by `ReqIdx`; a request finished meanwhile keeps its index until `update()`.
+//!
 //! Hot path: one pass over the scheduled requests each way; block tables are copied into
 //! `kv_indices` with one slice extend per request.
 
+use super::{Scheduled, Scheduler, StepPlan};
 use crate::arena::ReqIdx;
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache_manager::blocks_for;
 use crate::outputs::{SchedulerOutput, StepOutputs, StepStats};
 use crate::request::{FinishReason, Request, RequestStatus};
-use crate::scheduler::{PendingStep, Sample, Scheduler, StepPlan};
+
+/// A sample row between `schedule()` and `update()`.
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    req_idx: ReqIdx,
+    req_id: u64,
+    seq_index: u32,
+}
+
+/// The step awaiting `update()`.
+#[derive(Debug, Clone)]
+pub(super) struct PendingStep {
+    scheduled: Vec<Scheduled>,
+    samples: Vec<Sample>,
+}
 
 impl Scheduler {
     /// Lays out the plan as FlashInfer-ready arrays and remembers it for `update()`.
-    pub(crate) fn build_output(&mut self, plan: StepPlan) -> SchedulerOutput {
+    pub(super) fn build_output(&mut self, plan: StepPlan) -> SchedulerOutput {
         let bs = self.cfg.block_size;
         let (shift, mask) = (bs.trailing_zeros(), bs - 1); // a position's block and offset
         let b = plan.scheduled.len();

@@ -1,9 +1,9 @@
 //! `check_invariants()`: verifies the whole state against DESIGN.md §6. O(state); for tests and
 //! debugging, never on the hot path.
 
+use super::Scheduler;
 use crate::error::{CoreError, CoreResult};
 use crate::request::RequestStatus;
-use crate::scheduler::Scheduler;
 
 impl Scheduler {
     /// Checks pools, reference counts, tables, queues and counters; the first violation found is

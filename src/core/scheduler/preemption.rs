@@ -22,12 +22,12 @@
 //! Every preemption raises the victim's precedence (`num_preemptions`) for re-admission and
 //! emits one `PreemptionEvent`.
 
+use super::{Scheduler, StepPlan};
 use crate::arena::ReqIdx;
 use crate::config::{PreemptionMode, PreemptionModeConfig};
 use crate::outputs::{PreemptionEvent, PreemptionReason};
 use crate::queues::precedence;
 use crate::request::RequestStatus;
-use crate::scheduler::{Scheduler, StepPlan};
 
 /// How much more blocks-freed-per-second-of-restore-cost another victim must offer before
 /// "auto" passes over the policy's own victim.
@@ -35,18 +35,18 @@ const AUTO_VICTIM_MARGIN: f64 = 1.2;
 
 /// The estimated restore costs of preempting one request.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct RestoreCost {
+struct RestoreCost {
     /// Leading blocks that survive the preemption (cached, held by others): a swap leaves them
     /// on the device, a recompute hits them in the prefix cache.
-    pub num_blocks_kept: usize,
+    num_blocks_kept: usize,
     /// Blocks holding the other computed tokens (what a swap moves).
-    pub num_blocks_to_move: usize,
+    num_blocks_to_move: usize,
     /// Tokens a recompute must prefill again.
-    pub num_tokens_to_recompute: usize,
+    num_tokens_to_recompute: usize,
     /// Seconds to swap out and back in; `None` when the host pool cannot take the blocks.
-    pub swap_s: Option<f64>,
+    swap_s: Option<f64>,
     /// Seconds to prefill again.
-    pub recompute_s: f64,
+    recompute_s: f64,
 }
 
 impl RestoreCost {
@@ -61,7 +61,7 @@ impl RestoreCost {
 
 impl Scheduler {
     /// Restore costs of preempting the running request `idx` now.
-    pub(crate) fn restore_cost(&self, idx: ReqIdx) -> RestoreCost {
+    fn restore_cost(&self, idx: ReqIdx) -> RestoreCost {
         let cfg = &self.cfg;
         let r = self.reqs.get(idx);
         let computed = r.num_computed_tokens;
@@ -81,7 +81,7 @@ impl Scheduler {
     }
 
     /// Index in `running` of the next victim (never called with `running` empty).
-    pub(crate) fn choose_victim(&self) -> usize {
+    pub(super) fn choose_victim(&self) -> usize {
         let running = self.queues.running();
         let key = |i: usize| precedence(self.cfg.policy, self.reqs.get(running[i]));
         let worst = (0..running.len()).max_by_key(|&i| key(i)).expect("running is not empty");
@@ -111,7 +111,7 @@ impl Scheduler {
     }
 
     /// Preempts `running[at]` to make room for `for_req_id`; undoes its part of the step plan.
-    pub(crate) fn preempt(&mut self, at: usize, for_req_id: u64, plan: &mut StepPlan) {
+    pub(super) fn preempt(&mut self, at: usize, for_req_id: u64, plan: &mut StepPlan) {
         let idx = self.queues.running()[at];
         self.queues.remove_running_at(at, self.reqs.get(idx).num_pending_forks as usize);
         // undo its part of this step: the budget comes back; a copy-on-write it planned is dropped

@@ -91,8 +91,25 @@ impl RequestArena {
         self.reqs[idx.get()].as_mut()
     }
 
-    /// Stores a request: a new `req_id`, or (`fork`) one more fork of a live one.
-    pub fn insert(&mut self, req: Request, fork: bool) -> ReqIdx {
+    /// Stores a request with a new `req_id`.
+    pub fn insert(&mut self, req: Request) -> ReqIdx {
+        let req_id = req.req_id;
+        let idx = self.store(req);
+        let before = self.by_id.insert(req_id, vec![idx]);
+        debug_assert!(before.is_none(), "req_id {req_id} is already live");
+        idx
+    }
+
+    /// Stores one more fork of a live `req_id`.
+    pub fn insert_fork(&mut self, req: Request) -> ReqIdx {
+        let req_id = req.req_id;
+        let idx = self.store(req);
+        self.by_id.get_mut(&req_id).expect("a fork's request is live").push(idx);
+        idx
+    }
+
+    /// Puts `req` at a free index (or a new one) and returns it; `by_id` is the caller's.
+    fn store(&mut self, req: Request) -> ReqIdx {
         let idx = match self.free.pop() {
             Some(i) => i,
             None => {
@@ -100,12 +117,6 @@ impl RequestArena {
                 ReqIdx((self.reqs.len() - 1) as u32)
             }
         };
-        if fork {
-            self.by_id.get_mut(&req.req_id).expect("a fork's request is live").push(idx);
-        } else {
-            debug_assert!(!self.by_id.contains_key(&req.req_id));
-            self.by_id.insert(req.req_id, vec![idx]);
-        }
         self.reqs[idx.get()] = Some(req);
         idx
     }

@@ -133,7 +133,8 @@ impl Scheduler {
         }
         let req = Request::new(req_id, self.next_arrival, &prompt_token_ids, p);
         self.next_arrival += 1;
-        let idx = self.insert_request(req, false);
+        let idx = self.reqs.insert(req);
+        self.kv.ensure_tables(idx);
         self.queues.push_waiting(idx, &self.reqs, self.cfg.policy);
         self.counters.num_requests_added += 1;
         Ok(())
@@ -170,14 +171,6 @@ impl Scheduler {
     /// True while any request is waiting, running or swapped.
     pub fn has_unfinished_requests(&self) -> bool {
         !self.reqs.is_empty()
-    }
-
-    /// Stores a request (`fork`: one more fork of a live `req_id`) and makes room for its
-    /// block tables.
-    fn insert_request(&mut self, req: Request, fork: bool) -> ReqIdx {
-        let idx = self.reqs.insert(req, fork);
-        self.kv.ensure_tables(idx);
-        idx
     }
 
     /// Ends the request at `idx`: frees its blocks, leaves its queue, forgets it. When the last

@@ -226,7 +226,8 @@ impl Scheduler {
         forks.push(parent);
         for k in 1..n {
             let child = Request { seq_index: k, ..template.clone() };
-            let idx = self.insert_request(child, true);
+            let idx = self.reqs.insert_fork(child);
+            self.kv.ensure_tables(idx);
             self.kv.fork(parent, idx);
             self.queues.push_fork(idx);
             forks.push(idx);

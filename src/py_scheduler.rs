@@ -168,7 +168,7 @@ impl PyScheduler {
                 d.set_item("req_id", e.req_id)?;
                 d.set_item("seq_index", e.seq_index)?;
                 d.set_item("mode", e.mode.as_str())?;
-                d.set_item("reason", e.reason)?;
+                d.set_item("reason", e.reason.as_str())?;
                 d.set_item("for_req_id", e.for_req_id)?;
                 d.set_item("num_blocks_freed", e.num_blocks_freed)?;
                 d.set_item("bytes_to_move", e.bytes_to_move)?;

@@ -43,7 +43,3 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0

@@ -45,11 +45,6 @@ impl BlockPool {
         self.ref_cnt.len()
     }
 
-    /// Allocatable blocks (the null block excluded).
-    pub fn num_usable(&self) -> usize {
-        self.ref_cnt.len() - 1
-    }
-
     /// Blocks on the free list (cached-but-unreferenced blocks included).
     #[inline]
     pub fn num_free(&self) -> usize {

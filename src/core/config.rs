@@ -186,10 +186,10 @@ impl SchedulerConfig {
         Ok(())
     }
 
-    /// Blocks needed to hold `num_tokens` tokens.
+    /// Blocks needed to hold `num_tokens` tokens of this config's `block_size`.
     #[inline]
     pub fn blocks_for(&self, num_tokens: usize) -> usize {
-        (num_tokens + self.block_size - 1) >> self.block_size.trailing_zeros()
+        crate::kv_cache_manager::blocks_for(num_tokens, self.block_size)
     }
 
     /// Free device blocks that admission leaves untouched while others run.

@@ -1,7 +1,8 @@
 //! ferryman-core: the scheduler and KV block manager of the ferryman serving engine. Pure Rust;
 //! the PyO3 binding lives in the parent crate.
 //!
-//! Glossary (docs/design.md §2): a **request** (`req_id`) is a unit of work; a **block** holds the KV
+//! Glossary (docs/design.md §2): a **request** (`req_id`) is a unit of work, stored in the
+//! `RequestArena` at its `ReqIdx` (also the index of its block tables); a **block** holds the KV
 //! of `block_size` tokens (FlashInfer's "page"); block 0 is `NULL_BLOCK`; a request's blocks are
 //! its `block_table`; a token's flat KV position is its **slot** = block * block_size + offset;
 //! `ref_cnt` counts the tables holding a block; queues are `waiting`, `running`, `swapped`;
@@ -10,21 +11,19 @@
 //! Layering: `Scheduler` (step policy, budgets, preemption) → `KvCacheManager` (tokens → blocks,
 //! tables, swap, prefix cache) → `BlockPool` (blocks, ref counts, free list).
 
+pub mod arena;
 pub mod block_pool;
 pub mod config;
 pub mod error;
-pub mod invariants;
 pub mod kv_cache_manager;
 pub mod outputs;
-mod preemption;
 pub mod prefix_cache;
+pub mod queues;
 pub mod request;
 pub mod scheduler;
-mod step;
-pub mod swap;
 
 pub use config::{Policy, PreemptionMode, PreemptionModeConfig, SchedulerConfig};
 pub use error::{CoreError, CoreResult};
-pub use outputs::{PreemptionEvent, SchedulerOutput, StepOutputs, StepStats};
-pub use request::{FinishReason, RequestStatus};
-pub use scheduler::{Counters, RequestParams, Scheduler};
+pub use outputs::{Counters, PreemptionEvent, PreemptionReason, SchedulerOutput, StepOutputs, StepStats};
+pub use request::{FinishReason, RequestParams, RequestStatus};
+pub use scheduler::Scheduler;

@@ -1,5 +1,5 @@
 //! What crosses to Python each step: `SchedulerOutput` from `schedule()`, `StepOutputs` from
-//! `update()`, and the telemetry records (`PreemptionEvent`, `StepStats`).
+//! `update()`, and the telemetry records (`PreemptionEvent`, `StepStats`, `Counters`).
 //!
 //! Every field is a flat `Vec` of the dtype the binding hands to numpy without copying; the
 //! binding documents shapes in `_core.pyi`. B = scheduled requests, T = scheduled tokens,
@@ -91,6 +91,38 @@ pub struct StepStats {
     pub schedule_ns: u64,
 }
 
+/// Cumulative counters since construction.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Counters {
+    pub num_steps: u64,
+    pub num_requests_added: u64,
+    pub num_requests_finished: u64,
+    pub num_scheduled_tokens: u64,
+    pub num_generated_tokens: u64,
+    pub num_preemptions_recompute: u64,
+    pub num_preemptions_swap: u64,
+    /// Swaps wanted but refused for lack of host blocks (done as recompute instead).
+    pub num_swap_fallbacks: u64,
+    pub num_blocks_swapped_out: u64,
+    pub num_blocks_swapped_in: u64,
+    pub num_blocks_copied: u64,
+    /// Tokens recomputed because of recompute preemptions (estimated at preemption).
+    pub num_tokens_recomputed: u64,
+    /// Tokens looked up in the prefix cache at admission, and tokens found.
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+    /// Preemption events emitted (drained or not).
+    pub num_events: u64,
+    /// Forks ended by `abort_request` or `finish_request(.., Abort)`.
+    pub num_forks_aborted: u64,
+    /// Leading blocks swaps left on the device (cached, shared) instead of copying them.
+    pub num_blocks_kept_on_swap: u64,
+    /// Swapped requests whose device-kept prefix was evicted meanwhile: recomputed instead.
+    pub num_swap_prefix_lost: u64,
+    /// Wall time spent inside `schedule()` and `update()`, in nanoseconds.
+    pub scheduler_ns: u64,
+}
+
 /// The result of `update()`, one entry per sample of the step.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StepOutputs {
@@ -104,6 +136,28 @@ pub struct StepOutputs {
     pub finish_reasons: Vec<Option<FinishReason>>,
 }
 
+/// Why a preemption used the mode it did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PreemptionReason {
+    /// The configured fixed mode ("recompute", or "swap" with room on the host).
+    Config,
+    /// Mode "auto" chose the cheaper restore.
+    Cost,
+    /// Swap wanted but the host pool is short: fell back to recompute.
+    HostFull,
+}
+
+impl PreemptionReason {
+    /// "config" | "cost" | "host_full", as events report it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Config => "config",
+            Self::Cost => "cost",
+            Self::HostFull => "host_full",
+        }
+    }
+}
+
 /// One preemption, as it was decided.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PreemptionEvent {
@@ -114,9 +168,8 @@ pub struct PreemptionEvent {
     pub seq_index: u32,
     /// What happens to its KV.
     pub mode: PreemptionMode,
-    /// Why this mode: "config" (fixed mode), "cost" (auto chose the cheaper), "host_full"
-    /// (swap wanted but the host pool is short: fell back to recompute).
-    pub reason: &'static str,
+    /// Why this mode.
+    pub reason: PreemptionReason,
     /// The request whose growth needed the blocks (may be the victim itself).
     pub for_req_id: u64,
     /// Device blocks this preemption returned to the free list.
@@ -135,4 +188,15 @@ pub struct PreemptionEvent {
     pub num_free_host_blocks: usize,
     /// Times this request has been preempted, this one included.
     pub num_preemptions: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PreemptionReason;
+
+    #[test]
+    fn preemption_reasons_cross_as_the_contract_strings() {
+        let all = [PreemptionReason::Config, PreemptionReason::Cost, PreemptionReason::HostFull];
+        assert_eq!(all.map(PreemptionReason::as_str), ["config", "cost", "host_full"]);
+    }
 }

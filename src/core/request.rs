@@ -7,15 +7,13 @@
 //!
 //! Invariant: `num_computed_tokens <= token_ids.len()`; `token_ids` starts with the prompt.
 
-/// Where a request is in its life.
+/// Which queue a live request is in. A finished request is dropped at once (its id is reported
+/// in the next `finished_req_ids`), so there is no finished status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RequestStatus {
     Waiting,
     Running,
     Swapped,
-    FinishedStopped,
-    FinishedLengthCapped,
-    FinishedAborted,
 }
 
 /// Why a request finished, as OpenAI names it.
@@ -38,14 +36,6 @@ impl FinishReason {
             Self::Abort => "abort",
         }
     }
-    /// The status a request finished for this reason ends in.
-    pub fn status(self) -> RequestStatus {
-        match self {
-            Self::Stop => RequestStatus::FinishedStopped,
-            Self::Length => RequestStatus::FinishedLengthCapped,
-            Self::Abort => RequestStatus::FinishedAborted,
-        }
-    }
 }
 
 /// Stop conditions checked in Rust after every sampled token.
@@ -59,6 +49,23 @@ pub struct StopParams {
     pub stop_token_ids: Vec<u32>,
     /// Do not stop on `eos_token_id`.
     pub ignore_eos: bool,
+}
+
+/// Sampling-independent parameters of a new request.
+#[derive(Debug, Clone, Default)]
+pub struct RequestParams {
+    /// Output tokens at most (>= 1).
+    pub max_tokens: usize,
+    /// Lower is more important (policy "priority").
+    pub priority: i32,
+    /// Stop on this token unless `ignore_eos`.
+    pub eos_token_id: Option<u32>,
+    /// Stop on any of these.
+    pub stop_token_ids: Vec<u32>,
+    /// Ignore `eos_token_id`.
+    pub ignore_eos: bool,
+    /// Parallel samples (>= 1).
+    pub n: u32,
 }
 
 /// One sequence under the scheduler's control.
@@ -96,6 +103,35 @@ pub struct Request {
 }
 
 impl Request {
+    /// A new waiting request: `prompt_token_ids` (each at most `i32::MAX`), arrived `arrival`th.
+    pub fn new(req_id: u64, arrival: u64, prompt_token_ids: &[u32], p: RequestParams) -> Self {
+        let num_prompt_tokens = prompt_token_ids.len();
+        // room for every token the request can have, so appending never reallocates
+        let mut token_ids: Vec<i32> = Vec::with_capacity(num_prompt_tokens.saturating_add(p.max_tokens));
+        token_ids.extend(prompt_token_ids.iter().map(|&t| t as i32));
+        Self {
+            req_id,
+            seq_index: 0,
+            arrival,
+            priority: p.priority,
+            token_ids,
+            num_prompt_tokens,
+            num_computed_tokens: 0,
+            stop: StopParams {
+                max_tokens: p.max_tokens,
+                eos_token_id: p.eos_token_id,
+                stop_token_ids: p.stop_token_ids,
+                ignore_eos: p.ignore_eos,
+            },
+            num_pending_forks: p.n,
+            status: RequestStatus::Waiting,
+            num_preemptions: 0,
+            block_hashes: Vec::new(),
+            num_cached_blocks: 0,
+            num_swap_prefix_blocks: 0,
+        }
+    }
+
     /// Tokens known so far (prompt + output).
     #[inline]
     pub fn num_tokens(&self) -> usize {
@@ -125,12 +161,6 @@ impl Request {
         } else {
             None
         }
-    }
-
-    /// True while the request is waiting, running or swapped.
-    #[inline]
-    pub fn is_live(&self) -> bool {
-        matches!(self.status, RequestStatus::Waiting | RequestStatus::Running | RequestStatus::Swapped)
     }
 }
 

@@ -47,19 +47,18 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let path = args.get(1).expect("usage: replay TRACE.json [NUM_DEVICE_BLOCKS]");
     let mut trace = read_trace(&std::fs::read_to_string(path).expect("readable trace"));
-    // default: every request fits at once, as in sched_overhead.py
-    let need: usize = trace.iter().map(|r| (r[2] + r[3]).div_ceil(16) as usize).sum();
-    let num_device_blocks: usize = args.get(2).map_or(need, |a| a.parse().expect("NUM_DEVICE_BLOCKS"));
     trace.sort_by_key(|r| (r[1], r[0]));
-    let cfg = SchedulerConfig {
+    let mut cfg = SchedulerConfig {
         block_size: 16,
-        num_device_blocks,
         max_num_batched_tokens: 8192,
         max_num_seqs: 256,
         max_model_len: trace.iter().map(|r| (r[2] + r[3]) as usize).max().unwrap_or(1),
         preemption_mode: PreemptionModeConfig::Recompute,
         ..SchedulerConfig::default()
     };
+    // default: every request fits at once, as in sched_overhead.py
+    let need: usize = trace.iter().map(|r| cfg.blocks_for((r[2] + r[3]) as usize)).sum();
+    cfg.num_device_blocks = args.get(2).map_or(need, |a| a.parse().expect("NUM_DEVICE_BLOCKS"));
     let mut s = Scheduler::new(cfg).expect("config");
     let mut lens = vec![0u64; trace.iter().map(|r| r[0] as usize).max().unwrap_or(0) + 1];
     let (mut next, mut step, mut generated) = (0, 0u64, 0u64);

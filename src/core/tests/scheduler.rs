@@ -6,7 +6,8 @@ use std::collections::HashMap;
 
 use common::{add, cfg, fake_token, params, step};
 use ferryman_core::{
-    CoreError, FinishReason, Policy, PreemptionMode, PreemptionModeConfig, RequestParams, RequestStatus, Scheduler,
+    CoreError, FinishReason, Policy, PreemptionMode, PreemptionModeConfig, PreemptionReason, RequestParams,
+    RequestStatus, Scheduler,
 };
 
 type Lens = HashMap<(i64, i32), usize>;
@@ -143,7 +144,7 @@ fn recompute_preemption_frees_the_latest_arrival_and_requeues_it_first() {
     let ev = s.drain_events();
     assert_eq!(ev.len(), 1);
     let e = &ev[0];
-    assert_eq!((e.req_id, e.mode, e.reason, e.for_req_id), (2, PreemptionMode::Recompute, "config", 1));
+    assert_eq!((e.req_id, e.mode, e.reason, e.for_req_id), (2, PreemptionMode::Recompute, PreemptionReason::Config, 1));
     assert_eq!((e.num_blocks_freed, e.num_tokens_to_recompute, e.bytes_to_move), (2, 4, 0));
     assert_eq!((e.num_free_device_blocks, e.num_preemptions, e.token_budget_left), (2, 1, 64));
 
@@ -173,7 +174,7 @@ fn swap_preemption_moves_blocks_out_and_back_in() {
     assert_eq!(o.blocks_to_swap_out, vec![[3, 1], [4, 2]]);
     assert_eq!(s.request_status(2, 0), Some(RequestStatus::Swapped));
     let e = &s.drain_events()[0];
-    assert_eq!((e.mode, e.reason, e.num_tokens_to_recompute), (PreemptionMode::Swap, "config", 0));
+    assert_eq!((e.mode, e.reason, e.num_tokens_to_recompute), (PreemptionMode::Swap, PreemptionReason::Config, 0));
     assert_eq!(e.bytes_to_move, (2.0 * s.config().bytes_per_block) as u64);
 
     let (o, _) = step(&mut s, &mut lens); // request 1 finishes; 2 cannot come back yet
@@ -197,7 +198,7 @@ fn swap_falls_back_to_recompute_when_the_host_pool_is_short() {
     let (o, _) = step(&mut s, &mut lens);
     assert!(o.blocks_to_swap_out.is_empty());
     let e = &s.drain_events()[0];
-    assert_eq!((e.mode, e.reason), (PreemptionMode::Recompute, "host_full"));
+    assert_eq!((e.mode, e.reason), (PreemptionMode::Recompute, PreemptionReason::HostFull));
     assert_eq!(s.counters().num_swap_fallbacks, 1);
     assert_eq!(s.request_status(2, 0), Some(RequestStatus::Waiting));
 }
@@ -216,7 +217,7 @@ fn auto_picks_the_cheaper_restore_per_victim() {
             step(&mut s, &mut lens);
         }
         let e = &s.drain_events()[0];
-        assert_eq!((e.mode, e.reason), (want, "cost"));
+        assert_eq!((e.mode, e.reason), (want, PreemptionReason::Cost));
         assert!(e.swap_cost_s.is_finite() && e.recompute_cost_s > 0.0);
         while s.has_unfinished_requests() {
             step(&mut s, &mut lens);

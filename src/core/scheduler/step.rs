@@ -3,19 +3,39 @@
 //! (`update`): advancing `num_computed_tokens`, registering newly full blocks in the prefix
 //! cache, forking `n > 1` requests, appending tokens and checking stop conditions.
 //!
+//! Between the two, the `PendingStep` (owned here) remembers the scheduled requests and the
+//! sample rows, by `ReqIdx`; a request finished meanwhile keeps its index until `update()`.
+//!
 //! Hot path: one pass over the scheduled requests each way; block tables are copied into
 //! `kv_indices` with one slice extend per request.
 
+use super::{Scheduled, Scheduler, StepPlan};
+use crate::arena::ReqIdx;
 use crate::error::{CoreError, CoreResult};
+use crate::kv_cache_manager::blocks_for;
 use crate::outputs::{SchedulerOutput, StepOutputs, StepStats};
 use crate::request::{FinishReason, Request, RequestStatus};
-use crate::scheduler::{PendingStep, Sample, Scheduler, StepPlan};
+
+/// A sample row between `schedule()` and `update()`.
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    req_idx: ReqIdx,
+    req_id: u64,
+    seq_index: u32,
+}
+
+/// The step awaiting `update()`.
+#[derive(Debug, Clone)]
+pub(super) struct PendingStep {
+    scheduled: Vec<Scheduled>,
+    samples: Vec<Sample>,
+}
 
 impl Scheduler {
     /// Lays out the plan as FlashInfer-ready arrays and remembers it for `update()`.
-    pub(crate) fn build_output(&mut self, plan: StepPlan) -> SchedulerOutput {
+    pub(super) fn build_output(&mut self, plan: StepPlan) -> SchedulerOutput {
         let bs = self.cfg.block_size;
-        let (shift, mask) = (bs.trailing_zeros(), bs - 1);
+        let (shift, mask) = (bs.trailing_zeros(), bs - 1); // a position's block and offset
         let b = plan.scheduled.len();
         let t = self.cfg.max_num_batched_tokens - plan.budget;
         let mut o = SchedulerOutput {
@@ -26,7 +46,7 @@ impl Scheduler {
             qo_indptr: Vec::with_capacity(b + 1),
             seq_lens: Vec::with_capacity(b),
             kv_indptr: Vec::with_capacity(b + 1),
-            kv_indices: Vec::with_capacity(plan.scheduled.iter().map(|s| self.kv.table(s.slot).len()).sum()),
+            kv_indices: Vec::with_capacity(plan.scheduled.iter().map(|s| self.kv.table(s.req_idx).len()).sum()),
             kv_last_page_len: Vec::with_capacity(b),
             slot_mapping: Vec::with_capacity(t),
             logits_indices: Vec::with_capacity(b),
@@ -39,8 +59,8 @@ impl Scheduler {
         o.kv_indptr.push(0);
         let mut num_prefill_tokens = 0;
         for s in &plan.scheduled {
-            let r = self.req(s.slot);
-            let table = self.kv.table(s.slot);
+            let r = self.reqs.get(s.req_idx);
+            let table = self.kv.table(s.req_idx);
             let (start, end) = (r.num_computed_tokens, r.num_computed_tokens + s.num_new);
             o.req_ids.push(r.req_id as i64);
             o.seq_indices.push(r.seq_index as i32);
@@ -59,7 +79,7 @@ impl Scheduler {
             }
             o.qo_indptr.push(o.input_ids.len() as i32);
             o.seq_lens.push(end as i32);
-            let num_blocks = (end + mask) >> shift;
+            let num_blocks = blocks_for(end, bs);
             o.kv_indices.extend_from_slice(&table[..num_blocks]);
             o.kv_indptr.push(o.kv_indices.len() as i32);
             o.kv_last_page_len.push((end - (num_blocks - 1) * bs) as i32);
@@ -73,7 +93,7 @@ impl Scheduler {
                     o.logits_indices.push(o.input_ids.len() as i64 - 1);
                     o.sample_req_ids.push(r.req_id as i64);
                     o.sample_seq_indices.push(seq_index as i32);
-                    samples.push(Sample { slot: s.slot, req_id: r.req_id, seq_index });
+                    samples.push(Sample { req_idx: s.req_idx, req_id: r.req_id, seq_index });
                 }
                 if s.num_new > 1 {
                     num_prefill_tokens += s.num_new;
@@ -123,7 +143,7 @@ impl Scheduler {
             });
         }
         for s in &pending.scheduled {
-            self.advance(s.slot, s.num_new);
+            self.advance(s.req_idx, s.num_new);
         }
         let n = pending.samples.len();
         let mut out = StepOutputs {
@@ -134,8 +154,8 @@ impl Scheduler {
         };
         let mut i = 0;
         while i < n {
-            let Sample { slot, req_id, seq_index } = pending.samples[i];
-            let alive = self.reqs[slot as usize].as_ref().is_some_and(|r| r.status == RequestStatus::Running);
+            let Sample { req_idx: idx, req_id, seq_index } = pending.samples[i];
+            let alive = self.reqs.try_get(idx).is_some_and(|r| r.status == RequestStatus::Running);
             let token = sampled_token_ids[i];
             out.req_ids.push(req_id as i64);
             out.new_token_ids.push(token);
@@ -143,14 +163,14 @@ impl Scheduler {
                 out.seq_indices.push(seq_index as i32);
                 out.finish_reasons.push(Some(FinishReason::Abort));
                 i += 1;
-            } else if self.req(slot).num_pending_forks == 1 {
+            } else if self.reqs.get(idx).num_pending_forks == 1 {
                 out.seq_indices.push(seq_index as i32);
-                out.finish_reasons.push(self.append(slot, token as u32));
+                out.finish_reasons.push(self.append(idx, token as u32));
                 i += 1;
             } else {
                 out.req_ids.pop();
                 out.new_token_ids.pop();
-                for (k, target) in self.fork(slot).into_iter().enumerate() {
+                for (k, target) in self.fork(idx).into_iter().enumerate() {
                     let token = sampled_token_ids[i];
                     out.req_ids.push(req_id as i64);
                     out.seq_indices.push(k as i32);
@@ -160,14 +180,15 @@ impl Scheduler {
                 }
             }
         }
-        self.release_deferred_slots();
+        self.reqs.release_deferred();
         self.counters.scheduler_ns += started.elapsed().as_nanos() as u64;
         Ok(out)
     }
 
-    /// The forward computed `num_new` more tokens of `slot`: count them and cache full blocks.
-    fn advance(&mut self, slot: u32, num_new: usize) {
-        let Some(r) = self.reqs[slot as usize].as_mut().filter(|r| r.status == RequestStatus::Running) else {
+    /// The forward computed `num_new` more tokens of request `idx`: count them and cache full
+    /// blocks.
+    fn advance(&mut self, idx: ReqIdx, num_new: usize) {
+        let Some(r) = self.reqs.try_get_mut(idx).filter(|r| r.status == RequestStatus::Running) else {
             return; // aborted or finished after schedule()
         };
         r.num_computed_tokens += num_new;
@@ -177,41 +198,41 @@ impl Scheduler {
         let num_full = r.num_computed_tokens >> self.cfg.block_size.trailing_zeros();
         if num_full > r.num_cached_blocks {
             let known = &r.token_ids[..num_full * self.cfg.block_size];
-            self.kv.prefix_cache.hash_blocks(&mut r.block_hashes, known, self.cfg.block_size);
-            self.kv.cache_blocks(slot, &r.block_hashes, r.num_cached_blocks, num_full);
+            self.kv.hash_blocks(&mut r.block_hashes, known);
+            self.kv.cache_blocks(idx, &r.block_hashes, r.num_cached_blocks, num_full);
             r.num_cached_blocks = num_full;
         }
     }
 
-    /// Appends `token` to `slot`; finishes it when a stop condition holds.
-    fn append(&mut self, slot: u32, token: u32) -> Option<FinishReason> {
+    /// Appends `token` to request `idx`; finishes it when a stop condition holds.
+    fn append(&mut self, idx: ReqIdx, token: u32) -> Option<FinishReason> {
         let max_model_len = self.cfg.max_model_len;
-        let r = self.reqs[slot as usize].as_mut().expect("live slot");
+        let r = self.reqs.get_mut(idx);
         let finish = r.append_token(token, max_model_len);
         self.counters.num_generated_tokens += 1;
         if let Some(reason) = finish {
-            self.finish_slot(slot, reason);
+            self.finish(idx, reason);
         }
         finish
     }
 
     /// Forks an unforked parent whose prompt just completed into its `n` sequences; returns
-    /// their slots in `seq_index` order (the parent first).
-    fn fork(&mut self, parent: u32) -> Vec<u32> {
-        let p = self.reqs[parent as usize].as_mut().expect("live slot");
+    /// their indices in `seq_index` order (the parent first).
+    fn fork(&mut self, parent: ReqIdx) -> Vec<ReqIdx> {
+        let p = self.reqs.get_mut(parent);
         let n = std::mem::replace(&mut p.num_pending_forks, 1);
         let template: Request = p.clone();
-        let mut slots = Vec::with_capacity(n as usize);
-        slots.push(parent);
+        let mut forks = Vec::with_capacity(n as usize);
+        forks.push(parent);
         for k in 1..n {
             let child = Request { seq_index: k, ..template.clone() };
-            let slot = self.new_slot(child);
-            self.kv.fork(parent, slot);
-            self.running.push(slot);
-            self.req_slots.get_mut(&template.req_id).expect("live request is indexed").push(slot);
-            slots.push(slot);
+            let idx = self.reqs.insert_fork(child);
+            self.kv.ensure_tables(idx);
+            self.kv.fork(parent, idx);
+            self.queues.push_fork(idx);
+            forks.push(idx);
         }
-        slots
+        forks
     }
 }
 

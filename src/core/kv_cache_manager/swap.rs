@@ -12,14 +12,15 @@
 //! all before the forward. The scheduler never swaps in during a step that swapped out, so a
 //! block freed by one plan is never the target of the other in the same step.
 
-use crate::kv_cache_manager::KvCacheManager;
+use super::KvCacheManager;
+use crate::arena::ReqIdx;
 
 impl KvCacheManager {
-    /// Moves the slot's device table past its first `keep` blocks to host blocks, appending
+    /// Moves the request's device table past its first `keep` blocks to host blocks, appending
     /// (device, host) pairs to `plan`, and drops the whole device table. Returns the device
     /// blocks freed, or `None` (nothing changed) if the host pool is short.
-    pub fn swap_out(&mut self, slot: u32, keep: usize, plan: &mut Vec<[i32; 2]>) -> Option<usize> {
-        let s = slot as usize;
+    pub fn swap_out(&mut self, idx: ReqIdx, keep: usize, plan: &mut Vec<[i32; 2]>) -> Option<usize> {
+        let s = idx.get();
         debug_assert!(self.host_tables[s].is_empty() && keep <= self.tables[s].len());
         if self.host.num_free() < self.tables[s].len() - keep {
             return None;
@@ -31,21 +32,21 @@ impl KvCacheManager {
             plan.push([d, h]);
         }
         self.host_tables[s] = host_table;
-        Some(self.free(slot))
+        Some(self.free(idx))
     }
 
     /// Takes back the cached blocks of `prefix_hashes` (all must be cached: `match_prefix`
-    /// says so first; `num_free_hits` of them are on the free list) and brings the slot's host
+    /// says so first; `num_free_hits` of them are on the free list) and brings the request's host
     /// table back into fresh device blocks after them, appending (host, device) pairs to `plan`.
     /// `None` (nothing changed) if the device pool is short.
     pub fn swap_in(
         &mut self,
-        slot: u32,
+        idx: ReqIdx,
         prefix_hashes: &[u128],
         num_free_hits: usize,
         plan: &mut Vec<[i32; 2]>,
     ) -> Option<()> {
-        let s = slot as usize;
+        let s = idx.get();
         debug_assert!(self.tables[s].is_empty());
         if self.device.num_free() < self.host_tables[s].len() + num_free_hits {
             return None;
@@ -70,9 +71,9 @@ impl KvCacheManager {
         Some(())
     }
 
-    /// Drops a swapped slot's host blocks (abort while swapped).
-    pub fn free_host(&mut self, slot: u32) {
-        let s = slot as usize;
+    /// Drops a swapped request's host blocks (abort while swapped).
+    pub fn free_host(&mut self, idx: ReqIdx) {
+        let s = idx.get();
         for &h in &self.host_tables[s] {
             self.host.free(h as u32, false);
         }
@@ -82,24 +83,28 @@ impl KvCacheManager {
 
 #[cfg(test)]
 mod tests {
-    use crate::kv_cache_manager::KvCacheManager;
+    use super::KvCacheManager;
+    use crate::arena::ReqIdx;
+
+    const R0: ReqIdx = ReqIdx::new(0);
+    const R1: ReqIdx = ReqIdx::new(1);
 
     #[test]
     fn round_trip_moves_every_block_and_frees_both_sides() {
         let mut kv = KvCacheManager::new(4, 4, 3, false);
-        kv.ensure_slot(1);
-        kv.admit(0, &[], 0, 3).unwrap();
+        kv.ensure_tables(R1);
+        kv.admit(R0, &[], 0, 3).unwrap();
         let mut out = Vec::new();
-        assert_eq!(kv.swap_out(0, 0, &mut out), Some(3));
+        assert_eq!(kv.swap_out(R0, 0, &mut out), Some(3));
         assert_eq!(out, vec![[1, 1], [2, 2], [3, 3]]);
         assert_eq!((kv.num_free(), kv.num_free_host()), (4, 0));
-        assert!(kv.table(0).is_empty());
+        assert!(kv.table(R0).is_empty());
         // another request takes two device blocks meanwhile
-        kv.admit(1, &[], 0, 2).unwrap();
+        kv.admit(R1, &[], 0, 2).unwrap();
         let mut back = Vec::new();
-        assert_eq!(kv.swap_in(0, &[], 0, &mut back), None); // 2 free < 3 needed
-        kv.free(1);
-        assert_eq!(kv.swap_in(0, &[], 0, &mut back), Some(()));
+        assert_eq!(kv.swap_in(R0, &[], 0, &mut back), None); // 2 free < 3 needed
+        kv.free(R1);
+        assert_eq!(kv.swap_in(R0, &[], 0, &mut back), Some(()));
         assert_eq!(back.len(), 3);
         assert_eq!(back.iter().map(|p| p[0]).collect::<Vec<_>>(), vec![1, 2, 3]);
         assert_eq!(kv.num_free_host(), 3);
@@ -108,11 +113,11 @@ mod tests {
     #[test]
     fn swap_out_is_refused_when_the_host_pool_is_short() {
         let mut kv = KvCacheManager::new(4, 4, 1, false);
-        kv.ensure_slot(0);
-        kv.admit(0, &[], 0, 2).unwrap();
+        kv.ensure_tables(R0);
+        kv.admit(R0, &[], 0, 2).unwrap();
         let mut out = Vec::new();
-        assert_eq!(kv.swap_out(0, 0, &mut out), None);
+        assert_eq!(kv.swap_out(R0, 0, &mut out), None);
         assert!(out.is_empty());
-        assert_eq!(kv.table(0).len(), 2);
+        assert_eq!(kv.table(R0).len(), 2);
     }
 }

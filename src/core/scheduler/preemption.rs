@@ -22,10 +22,12 @@
 //! Every preemption raises the victim's precedence (`num_preemptions`) for re-admission and
 //! emits one `PreemptionEvent`.
 
+use super::{Scheduler, StepPlan};
+use crate::arena::ReqIdx;
 use crate::config::{PreemptionMode, PreemptionModeConfig};
-use crate::outputs::PreemptionEvent;
+use crate::outputs::{PreemptionEvent, PreemptionReason};
+use crate::queues::precedence;
 use crate::request::RequestStatus;
-use crate::scheduler::{Scheduler, StepPlan};
 
 /// How much more blocks-freed-per-second-of-restore-cost another victim must offer before
 /// "auto" passes over the policy's own victim.
@@ -33,18 +35,18 @@ const AUTO_VICTIM_MARGIN: f64 = 1.2;
 
 /// The estimated restore costs of preempting one request.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct RestoreCost {
+struct RestoreCost {
     /// Leading blocks that survive the preemption (cached, held by others): a swap leaves them
     /// on the device, a recompute hits them in the prefix cache.
-    pub num_blocks_kept: usize,
+    num_blocks_kept: usize,
     /// Blocks holding the other computed tokens (what a swap moves).
-    pub num_blocks_to_move: usize,
+    num_blocks_to_move: usize,
     /// Tokens a recompute must prefill again.
-    pub num_tokens_to_recompute: usize,
+    num_tokens_to_recompute: usize,
     /// Seconds to swap out and back in; `None` when the host pool cannot take the blocks.
-    pub swap_s: Option<f64>,
+    swap_s: Option<f64>,
     /// Seconds to prefill again.
-    pub recompute_s: f64,
+    recompute_s: f64,
 }
 
 impl RestoreCost {
@@ -58,13 +60,13 @@ impl RestoreCost {
 }
 
 impl Scheduler {
-    /// Restore costs of preempting the running request in `slot` now.
-    pub(crate) fn restore_cost(&self, slot: u32) -> RestoreCost {
+    /// Restore costs of preempting the running request `idx` now.
+    fn restore_cost(&self, idx: ReqIdx) -> RestoreCost {
         let cfg = &self.cfg;
-        let r = self.req(slot);
+        let r = self.reqs.get(idx);
         let computed = r.num_computed_tokens;
         let surviving =
-            self.kv.num_surviving_prefix_blocks(slot).min(computed / cfg.block_size).min(r.block_hashes.len());
+            self.kv.num_surviving_prefix_blocks(idx).min(computed / cfg.block_size).min(r.block_hashes.len());
         let num_blocks_to_move = cfg.blocks_for(computed) - surviving;
         let num_tokens_to_recompute = computed - surviving * cfg.block_size;
         let swap_s = (self.kv.num_free_host() >= num_blocks_to_move)
@@ -79,22 +81,23 @@ impl Scheduler {
     }
 
     /// Index in `running` of the next victim (never called with `running` empty).
-    pub(crate) fn choose_victim(&self) -> usize {
-        let key = |i: usize| self.rank(self.req(self.running[i]));
-        let worst = (0..self.running.len()).max_by_key(|&i| key(i)).expect("running is not empty");
+    pub(super) fn choose_victim(&self) -> usize {
+        let running = self.queues.running();
+        let key = |i: usize| precedence(self.cfg.policy, self.reqs.get(running[i]));
+        let worst = (0..running.len()).max_by_key(|&i| key(i)).expect("running is not empty");
         if self.cfg.preemption_mode != PreemptionModeConfig::Auto {
             return worst;
         }
         let (w_prio, w_pre, _) = key(worst);
         let score = |i: usize| {
-            let slot = self.running[i];
-            let freed = self.kv.num_exclusive_blocks(slot) as f64;
-            freed / (self.restore_cost(slot).cheaper().1 + 1e-9)
+            let idx = running[i];
+            let freed = self.kv.num_exclusive_blocks(idx) as f64;
+            freed / (self.restore_cost(idx).cheaper().1 + 1e-9)
         };
         // The policy's victim stays unless another in its class is clearly better: a near tie
         // (most victims free blocks at about the same rate) must not reorder fcfs by noise.
         let mut best = (worst, score(worst));
-        for i in 0..self.running.len() {
+        for i in 0..running.len() {
             let k = key(i);
             if i == worst || (k.0, k.1) != (w_prio, w_pre) {
                 continue;
@@ -107,52 +110,52 @@ impl Scheduler {
         best.0
     }
 
-    /// Preempts `running[idx]` to make room for `for_req_id`; undoes its part of the step plan.
-    pub(crate) fn preempt(&mut self, idx: usize, for_req_id: u64, plan: &mut StepPlan) {
-        let slot = self.running.remove(idx);
+    /// Preempts `running[at]` to make room for `for_req_id`; undoes its part of the step plan.
+    pub(super) fn preempt(&mut self, at: usize, for_req_id: u64, plan: &mut StepPlan) {
+        let idx = self.queues.running()[at];
+        self.queues.remove_running_at(at, self.reqs.get(idx).num_pending_forks as usize);
         // undo its part of this step: the budget comes back; a copy-on-write it planned is dropped
         let mut dropped_cow = None;
-        if let Some(at) = plan.scheduled.iter().position(|s| s.slot == slot) {
-            let s = plan.scheduled.remove(at);
+        if let Some(pos) = plan.scheduled.iter().position(|s| s.req_idx == idx) {
+            let s = plan.scheduled.remove(pos);
             plan.budget += s.num_new;
             dropped_cow = s.cow;
         }
-        let cost = self.restore_cost(slot);
+        let cost = self.restore_cost(idx);
         let (mode, reason) = match (self.cfg.preemption_mode, cost.swap_s) {
-            (PreemptionModeConfig::Recompute, _) => (PreemptionMode::Recompute, "config"),
-            (PreemptionModeConfig::Swap, Some(_)) => (PreemptionMode::Swap, "config"),
-            (PreemptionModeConfig::Swap, None) => (PreemptionMode::Recompute, "host_full"),
+            (PreemptionModeConfig::Recompute, _) => (PreemptionMode::Recompute, PreemptionReason::Config),
+            (PreemptionModeConfig::Swap, Some(_)) => (PreemptionMode::Swap, PreemptionReason::Config),
+            (PreemptionModeConfig::Swap, None) => (PreemptionMode::Recompute, PreemptionReason::HostFull),
             (PreemptionModeConfig::Auto, _) => match cost.cheaper().0 {
-                PreemptionMode::Swap => (PreemptionMode::Swap, "cost"),
+                PreemptionMode::Swap => (PreemptionMode::Swap, PreemptionReason::Cost),
                 // the host pool being short is what made recompute "cheaper"
                 PreemptionMode::Recompute if cost.swap_s.is_none() && cost.num_blocks_to_move > 0 => {
-                    (PreemptionMode::Recompute, "host_full")
+                    (PreemptionMode::Recompute, PreemptionReason::HostFull)
                 }
-                PreemptionMode::Recompute => (PreemptionMode::Recompute, "cost"),
+                PreemptionMode::Recompute => (PreemptionMode::Recompute, PreemptionReason::Cost),
             },
         };
         let free_before = self.kv.num_free();
-        let r = self.reqs[slot as usize].as_mut().expect("running slot is live");
+        let r = self.reqs.get_mut(idx);
         r.num_preemptions += 1;
-        self.num_running_seqs -= r.num_pending_forks as usize;
         match mode {
             PreemptionMode::Recompute => {
-                self.kv.free(slot);
+                self.kv.free(idx);
                 r.num_computed_tokens = 0;
                 r.num_cached_blocks = 0;
                 r.status = RequestStatus::Waiting;
                 self.counters.num_preemptions_recompute += 1;
                 self.counters.num_tokens_recomputed += cost.num_tokens_to_recompute as u64;
-                if reason == "host_full" {
+                if reason == PreemptionReason::HostFull {
                     self.counters.num_swap_fallbacks += 1;
                 }
-                self.enqueue_waiting(slot);
+                self.queues.push_waiting(idx, &self.reqs, self.cfg.policy);
             }
             PreemptionMode::Swap => {
                 let keep = cost.num_blocks_kept;
-                self.kv.truncate(slot, keep + cost.num_blocks_to_move); // blocks not yet computed
+                self.kv.truncate(idx, keep + cost.num_blocks_to_move); // blocks not yet computed
                 let first = plan.swap_out.len();
-                self.kv.swap_out(slot, keep, &mut plan.swap_out).expect("restore_cost saw host room");
+                self.kv.swap_out(idx, keep, &mut plan.swap_out).expect("restore_cost saw host room");
                 r.num_swap_prefix_blocks = keep;
                 self.counters.num_blocks_kept_on_swap += keep as u64;
                 // The dropped copy would have filled its destination only after the swap-out
@@ -168,10 +171,10 @@ impl Scheduler {
                 r.status = RequestStatus::Swapped;
                 self.counters.num_preemptions_swap += 1;
                 self.counters.num_blocks_swapped_out += cost.num_blocks_to_move as u64;
-                self.enqueue_swapped(slot);
+                self.queues.push_swapped(idx, &self.reqs, self.cfg.policy);
             }
         }
-        let r = self.req(slot);
+        let r = self.reqs.get(idx);
         plan.preempted.push(r.req_id as i64);
         let swap = mode == PreemptionMode::Swap;
         self.events.push(PreemptionEvent {

@@ -1,0 +1,83 @@
+//! `check_invariants()`: verifies the whole state against docs/design.md §5. O(state); for tests and
+//! debugging, never on the hot path.
+
+use super::Scheduler;
+use crate::error::{CoreError, CoreResult};
+use crate::request::RequestStatus;
+
+impl Scheduler {
+    /// Checks pools, reference counts, tables, queues and counters; the first violation found is
+    /// returned as `CoreError::InvariantViolated`.
+    pub fn check_invariants(&self) -> CoreResult<()> {
+        self.check_all().map_err(CoreError::InvariantViolated)
+    }
+
+    fn check_all(&self) -> Result<(), String> {
+        let kv = &self.kv;
+        kv.check()?;
+        let mut num_live = 0;
+        for (idx, req) in self.reqs.iter() {
+            let (table, host_table) = (kv.table(idx), kv.host_table(idx));
+            let Some(r) = req else {
+                if !table.is_empty() || !host_table.is_empty() {
+                    return Err(format!("free request index {} holds blocks", idx.get()));
+                }
+                continue;
+            };
+            num_live += 1;
+            let id = format!("request {} fork {}", r.req_id, r.seq_index);
+            if r.num_computed_tokens > r.num_tokens() {
+                return Err(format!("{id} computed more tokens than it has"));
+            }
+            let queues = self.queues.count(idx);
+            match r.status {
+                RequestStatus::Waiting => {
+                    if queues != (1, 0, 0) || !table.is_empty() || !host_table.is_empty() || r.num_computed_tokens != 0
+                    {
+                        return Err(format!("{id} is waiting but holds blocks, computed tokens or sits in {queues:?}"));
+                    }
+                }
+                RequestStatus::Running => {
+                    if queues != (0, 1, 0) || !host_table.is_empty() {
+                        return Err(format!("{id} is running but holds host blocks or sits in {queues:?}"));
+                    }
+                    if table.len() < self.cfg.blocks_for(r.num_computed_tokens) {
+                        return Err(format!("{id}'s table does not cover its computed tokens"));
+                    }
+                }
+                RequestStatus::Swapped => {
+                    if queues != (0, 0, 1) || !table.is_empty() {
+                        return Err(format!("{id} is swapped but holds device blocks or sits in {queues:?}"));
+                    }
+                    if host_table.len() + r.num_swap_prefix_blocks != self.cfg.blocks_for(r.num_computed_tokens) {
+                        return Err(format!("{id}'s host table does not match its computed tokens"));
+                    }
+                }
+            }
+            if !self.reqs.indices(r.req_id).is_some_and(|v| v.contains(&idx)) {
+                return Err(format!("{id} is not indexed by its req_id"));
+            }
+        }
+        let (num_waiting, num_running, num_swapped) = self.queues.lens();
+        if num_live != num_waiting + num_running + num_swapped {
+            return Err("a queue holds a request twice or a dead one".into());
+        }
+        if self.reqs.num_indexed() != num_live {
+            return Err("req_id index out of step with the live requests".into());
+        }
+        let seqs: usize = self.queues.running().iter().map(|&i| self.reqs.get(i).num_pending_forks as usize).sum();
+        let counted = self.queues.num_running_seqs();
+        if seqs != counted || seqs > self.cfg.max_num_seqs {
+            return Err(format!("running forks {seqs} (counted {counted}) vs max_num_seqs"));
+        }
+        let last = &self.last_step;
+        if last.num_scheduled_tokens > self.cfg.max_num_batched_tokens {
+            return Err("last step exceeded the token budget".into());
+        }
+        let c = &self.counters;
+        if c.num_preemptions_recompute + c.num_preemptions_swap != c.num_events {
+            return Err("preemption counters differ from the events emitted".into());
+        }
+        Ok(())
+    }
+}

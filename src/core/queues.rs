@@ -26,6 +26,13 @@ pub fn precedence(policy: Policy, r: &Request) -> (i64, i64, u64) {
     (prio, -(r.num_preemptions as i64), r.arrival)
 }
 
+/// Inserts `idx` into `queue` after every request that ranks at or before it.
+fn insert_by_precedence(queue: &mut VecDeque<ReqIdx>, idx: ReqIdx, reqs: &RequestArena, policy: Policy) {
+    let key = precedence(policy, reqs.get(idx));
+    let at = queue.partition_point(|&i| precedence(policy, reqs.get(i)) <= key);
+    queue.insert(at, idx);
+}
+
 /// The three queues of one scheduler.
 #[derive(Debug, Clone, Default)]
 pub struct Queues {
@@ -84,16 +91,12 @@ impl Queues {
 
     /// Queues `idx` as waiting, in precedence order.
     pub fn push_waiting(&mut self, idx: ReqIdx, reqs: &RequestArena, policy: Policy) {
-        let key = precedence(policy, reqs.get(idx));
-        let at = self.waiting.partition_point(|&i| precedence(policy, reqs.get(i)) <= key);
-        self.waiting.insert(at, idx);
+        insert_by_precedence(&mut self.waiting, idx, reqs, policy);
     }
 
     /// Queues `idx` as swapped, in precedence order.
     pub fn push_swapped(&mut self, idx: ReqIdx, reqs: &RequestArena, policy: Policy) {
-        let key = precedence(policy, reqs.get(idx));
-        let at = self.swapped.partition_point(|&i| precedence(policy, reqs.get(i)) <= key);
-        self.swapped.insert(at, idx);
+        insert_by_precedence(&mut self.swapped, idx, reqs, policy);
     }
 
     /// Appends `idx` to `running`; it runs `num_seqs` sequences (its `num_pending_forks`).

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import inspect
 import types
 import typing
@@ -40,7 +41,7 @@ def knob(
 
 
 def at_least(lo: float) -> _Check:
-    return lambda v: None if v is None or v >= lo else f"must be >= {lo}"
+    return lambda v: None if v >= lo else f"must be >= {lo}"
 
 
 def in_unit_interval(v: float) -> str | None:
@@ -154,9 +155,14 @@ class EngineArgs(SchedulerArgs):
     calibrate: bool = knob(True, "measure the host link and prefill rate at start-up for the cost model")
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)  # evaluates every annotation: once per class
+
+
 def value_type(cls: type, f: dataclasses.Field[Any]) -> tuple[type, bool]:
     """The field's value type, and whether it may be None."""
-    hint = typing.get_type_hints(cls)[f.name]
+    hint = _hints(cls)[f.name]
     args = typing.get_args(hint)
     if isinstance(hint, types.UnionType) and type(None) in args:
         (inner,) = [a for a in args if a is not type(None)]
@@ -233,8 +239,6 @@ def add_cli_args(
         )
 
 
-def from_cli(cls: type[A], a: argparse.Namespace, **overrides: Any) -> A:
-    """The dataclass from parsed flags: each field the parser has, then ``overrides``."""
-    kw = {f.name: getattr(a, f.name) for f in dataclasses.fields(cls) if hasattr(a, f.name)}
-    kw.update(overrides)
-    return cls(**kw)
+def from_cli(cls: type[A], a: argparse.Namespace) -> A:
+    """The dataclass from parsed flags: each of its fields the parser has."""
+    return cls(**{f.name: getattr(a, f.name) for f in dataclasses.fields(cls) if hasattr(a, f.name)})

@@ -48,17 +48,19 @@ class SimConfig(SchedulerArgs):
         return self.token_budget("cuda", max_model_len)
 
 
-def pool_sizes(gpu: GpuSpec, shape: ModelShape, cfg: SimConfig) -> tuple[int, int, int]:
-    """(device blocks, host blocks, bytes per block) for this deployment."""
+def pool_sizes(
+    gpu: GpuSpec, shape: ModelShape, cfg: SimConfig, budget: int | None = None
+) -> tuple[int, int, int]:
+    """(device blocks, host blocks, bytes per block) for this deployment; the activation reserve
+    is sized for ``budget`` tokens a step (default: ``cfg``'s budget at its ``max_model_len``)."""
     b = cfg.dtype_bytes
     block_bytes = shape.kv_bytes_per_token(b) * cfg.block_size
     if cfg.num_device_blocks is None:
         weights = shape.num_params * b
         h, inter = shape.hidden_size, shape.intermediate_size
-        activations = (
-            cfg.budget(cfg.max_model_len or 0) * (8 * h + 2 * inter) * b
-            + cfg.max_num_seqs * shape.vocab_size * 4
-        )
+        activations = (budget or cfg.budget(cfg.max_model_len or 0)) * (
+            8 * h + 2 * inter
+        ) * b + cfg.max_num_seqs * shape.vocab_size * 4
         kv = gpu.memory_bytes * cfg.gpu_memory_utilization - weights - activations
         if kv < block_bytes:
             raise ValueError(
@@ -121,10 +123,10 @@ def simulate(
     roof = Roofline(
         gpu, shape, cfg.dtype_bytes, cfg.compute_efficiency, cfg.bandwidth_efficiency, cfg.step_overhead_s
     )
-    device, host, block_bytes = pool_sizes(gpu, shape, cfg)
     longest = int((work.prompt_len + work.output_len).max())
     max_model_len = cfg.max_model_len or longest
     budget = cfg.budget(max_model_len)
+    device, host, block_bytes = pool_sizes(gpu, shape, cfg, budget)
     sched = Scheduler(
         cfg.scheduler_config(
             num_device_blocks=device,

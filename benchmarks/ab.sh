@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # Side by side, alternating: the Rust core's overhead at git revision REV against the working tree.
-# Each round runs, for REV and then for the working tree, benchmarks/sched_overhead.py on one
+# Each round runs, for REV and the working tree (REV first in odd rounds, second in even ones,
+# so use an even ROUNDS), benchmarks/sched_overhead.py on one
 # 1024-request trace (ample pool, then --pool-fraction 0.25) and the criterion benches; at the end
 # it prints the median of each figure per side and their ratio (working tree / REV).
 #
-#   bash benchmarks/ab.sh REV [ROUNDS]        (after scripts/setup.sh has made the venv; ROUNDS=3)
+#   bash benchmarks/ab.sh REV [ROUNDS]        (after scripts/setup.sh has made the venv; ROUNDS=4)
 #
 # Builds REV in a temporary git worktree. Both sides run with this tree's benchmark scripts, so
 # REV must offer the same Python API to sched_overhead.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REV=${1:?usage: benchmarks/ab.sh REV [ROUNDS]}
-ROUNDS=${2:-3}
+ROUNDS=${2:-4}
 source scripts/setup.sh >/dev/null
 WORK=$(mktemp -d /tmp/ferryman-ab.XXXXXX)
 trap 'git worktree remove --force "$WORK/old" >/dev/null 2>&1 || true' EXIT
@@ -36,7 +37,9 @@ python benchmarks/sched_overhead.py --generate 1024 --out "$WORK/trace.json"
 
 results="$WORK/results.jsonl"
 for round in $(seq "$ROUNDS"); do
-  for s in old new; do
+  order="old new"
+  [ $((round % 2)) = 0 ] && order="new old"  # alternate who goes first, so order cancels out
+  for s in $order; do
     tree=$([ "$s" = old ] && echo "$WORK/old" || echo .)
     for pool in ample tight; do
       extra=$([ "$pool" = tight ] && echo "--pool-fraction 0.25" || true)

@@ -54,10 +54,9 @@ def main() -> None:
     started = time.perf_counter()
     while engine.has_unfinished_requests():
         t = time.perf_counter()
-        engine.step()
-        out = engine.last_schedule
+        out = engine.step().stats
         assert out is not None
-        rows.append((len(out.qo_indptr) - 1, out.num_prefill_tokens, time.perf_counter() - t))
+        rows.append((out.num_scheduled_seqs, out.num_prefill_tokens, time.perf_counter() - t))
     total = time.perf_counter() - started
     r = np.array(rows)
     dec = r[:, 1] == 0
@@ -104,10 +103,9 @@ def fixed_batches(model: str, batches: list[int], context: int, seed: int) -> No
         times = []
         while engine.has_unfinished_requests():
             t = time.perf_counter()
-            engine.step()
-            out = engine.last_schedule
+            out = engine.step().stats
             assert out is not None
-            if out.num_prefill_tokens == 0 and len(out.qo_indptr) - 1 == b:
+            if out.num_prefill_tokens == 0 and out.num_scheduled_seqs == b:
                 times.append(time.perf_counter() - t)
         print(
             json.dumps(

@@ -76,15 +76,20 @@ macro_rules! pymethods_with_array_getters {
 #[pyclass(name = "SchedulerOutput", module = "ferryman._core")]
 pub struct PySchedulerOutput {
     req_ids: Array<i64>,
+    rows: Array<i32>,
+    rows_removed: Array<i32>,
+    rows_added: Array<i32>,
+    added_req_ids: Array<i64>,
+    added_seq_indices: Array<i32>,
+    table_rows: Array<i32>,
+    table_cols: Array<i32>,
+    table_blocks: Array<i32>,
     seq_indices: Array<i32>,
     input_ids: Array<i32>,
-    positions: Array<i64>,
     qo_indptr: Array<i32>,
     seq_lens: Array<i32>,
     kv_indptr: Array<i32>,
-    kv_indices: Array<i32>,
     kv_last_page_len: Array<i32>,
-    slot_mapping: Array<i64>,
     logits_indices: Array<i64>,
     sample_req_ids: Array<i64>,
     sample_seq_indices: Array<i32>,
@@ -122,15 +127,20 @@ impl PySchedulerOutput {
         let s = o.stats;
         Self {
             req_ids: Lazy::Rust(o.req_ids),
+            rows: Lazy::Rust(o.rows),
+            rows_removed: Lazy::Rust(o.rows_removed),
+            rows_added: Lazy::Rust(o.rows_added),
+            added_req_ids: Lazy::Rust(o.added_req_ids),
+            added_seq_indices: Lazy::Rust(o.added_seq_indices),
+            table_rows: Lazy::Rust(o.table_rows),
+            table_cols: Lazy::Rust(o.table_cols),
+            table_blocks: Lazy::Rust(o.table_blocks),
             seq_indices: Lazy::Rust(o.seq_indices),
             input_ids: Lazy::Rust(o.input_ids),
-            positions: Lazy::Rust(o.positions),
             qo_indptr: Lazy::Rust(o.qo_indptr),
             seq_lens: Lazy::Rust(o.seq_lens),
             kv_indptr: Lazy::Rust(o.kv_indptr),
-            kv_indices: Lazy::Rust(o.kv_indices),
             kv_last_page_len: Lazy::Rust(o.kv_last_page_len),
-            slot_mapping: Lazy::Rust(o.slot_mapping),
             logits_indices: Lazy::Rust(o.logits_indices),
             sample_req_ids: Lazy::Rust(o.sample_req_ids),
             sample_seq_indices: Lazy::Rust(o.sample_seq_indices),
@@ -155,9 +165,11 @@ impl PySchedulerOutput {
 }
 
 pymethods_with_array_getters!(PySchedulerOutput;
-    arrays: req_ids: i64, seq_indices: i32, input_ids: i32, positions: i64, qo_indptr: i32, seq_lens: i32,
-        kv_indptr: i32, kv_indices: i32, kv_last_page_len: i32, slot_mapping: i64, logits_indices: i64,
-        sample_req_ids: i64, sample_seq_indices: i32, preempted_req_ids: i64, finished_req_ids: i64;
+    arrays: req_ids: i64, seq_indices: i32, input_ids: i32, qo_indptr: i32, seq_lens: i32,
+        kv_indptr: i32, kv_last_page_len: i32, logits_indices: i64,
+        sample_req_ids: i64, sample_seq_indices: i32, preempted_req_ids: i64, finished_req_ids: i64, rows: i32,
+        rows_removed: i32, rows_added: i32, added_req_ids: i64, added_seq_indices: i32, table_rows: i32,
+        table_cols: i32, table_blocks: i32;
     pairs: blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy;
     fn __repr__(&self) -> String {
         format!(
@@ -179,7 +191,13 @@ pub struct PyStepOutputs {
     req_ids: Array<i64>,
     seq_indices: Array<i32>,
     new_token_ids: Array<i32>,
+    num_output_tokens: Array<u32>,
+    finished_rows: Array<u32>,
+    output_token_offsets: Array<u32>,
+    output_token_ids: Array<i32>,
     finish_reasons: Lazy<Vec<Option<FinishReason>>, PyList>,
+    deltas: Lazy<(Vec<u8>, Vec<u32>), PyList>,
+    output_texts: Lazy<(Vec<u8>, Vec<u32>), PyList>,
     len: usize,
 }
 
@@ -190,17 +208,40 @@ impl PyStepOutputs {
             req_ids: Lazy::Rust(o.req_ids),
             seq_indices: Lazy::Rust(o.seq_indices),
             new_token_ids: Lazy::Rust(o.new_token_ids),
+            num_output_tokens: Lazy::Rust(o.num_output_tokens),
+            finished_rows: Lazy::Rust(o.finished_rows),
+            output_token_offsets: Lazy::Rust(o.output_token_offsets),
+            output_token_ids: Lazy::Rust(o.output_token_ids),
             finish_reasons: Lazy::Rust(o.finish_reasons),
+            deltas: Lazy::Rust((o.text, o.text_offsets)),
+            output_texts: Lazy::Rust((o.output_text, o.output_text_offsets)),
         }
     }
 }
 
+/// The strings a UTF-8 buffer holds between consecutive offsets.
+fn strings(py: Python<'_>, (buf, offsets): (Vec<u8>, Vec<u32>)) -> PyResult<Bound<'_, PyList>> {
+    let text = std::str::from_utf8(&buf).map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+    PyList::new(py, offsets.windows(2).map(|w| &text[w[0] as usize..w[1] as usize]))
+}
+
 pymethods_with_array_getters!(PyStepOutputs;
-    arrays: req_ids: i64, seq_indices: i32, new_token_ids: i32;
+    arrays: req_ids: i64, seq_indices: i32, new_token_ids: i32, num_output_tokens: u32, finished_rows: u32,
+        output_token_offsets: u32, output_token_ids: i32;
     pairs: ;
     #[getter]
     fn finish_reasons(&mut self, py: Python<'_>) -> PyResult<Py<PyList>> {
         self.finish_reasons.get(py, reasons)
+    }
+    /// [S] each row's new text ("" for rows without text).
+    #[getter]
+    fn deltas(&mut self, py: Python<'_>) -> PyResult<Py<PyList>> {
+        self.deltas.get(py, strings)
+    }
+    /// [F] each finished sequence's whole text.
+    #[getter]
+    fn output_texts(&mut self, py: Python<'_>) -> PyResult<Py<PyList>> {
+        self.output_texts.get(py, strings)
     }
     fn __len__(&self) -> usize {
         self.len

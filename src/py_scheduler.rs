@@ -1,6 +1,6 @@
 //! `Scheduler` for Python: argument checking and conversion around `ferryman_core::Scheduler`.
 
-use ferryman_core::{FinishReason, RequestParams, Scheduler};
+use ferryman_core::{FinishReason, RequestParams, Scheduler, TextParams, Tokenizer};
 use numpy::{AllowTypeChange, PyArrayLike1};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -41,8 +41,15 @@ impl PyScheduler {
         PySchedulerConfig { inner: self.inner.config().clone() }
     }
 
+    /// Detokenizes requests' output from now on (`tokenizer_json`: a tokenizer.json's content).
+    fn set_tokenizer(&mut self, tokenizer_json: &str) -> PyResult<()> {
+        self.inner.set_tokenizer(Tokenizer::from_json(tokenizer_json).map_err(to_pyerr)?);
+        Ok(())
+    }
+
     #[pyo3(signature = (req_id, prompt_token_ids, max_tokens, *, priority=0, eos_token_id=None,
-        stop_token_ids=Vec::new(), ignore_eos=false, n=1))]
+        stop_token_ids=Vec::new(), ignore_eos=false, n=1, detokenize=false, stop=Vec::new(),
+        skip_special_tokens=true))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &mut self,
@@ -54,10 +61,13 @@ impl PyScheduler {
         stop_token_ids: Vec<i64>,
         ignore_eos: bool,
         n: i64,
+        detokenize: bool,
+        stop: Vec<String>,
+        skip_special_tokens: bool,
     ) -> PyResult<()> {
         let id = req_id_of(req_id)?;
         let prompt = prompt_token_ids.into_iter().map(|t| token_of(req_id, t)).collect::<PyResult<Vec<_>>>()?;
-        let stop = stop_token_ids.into_iter().map(|t| token_of(req_id, t)).collect::<PyResult<Vec<_>>>()?;
+        let stop_ids = stop_token_ids.into_iter().map(|t| token_of(req_id, t)).collect::<PyResult<Vec<_>>>()?;
         let eos = eos_token_id.map(|t| token_of(req_id, t)).transpose()?;
         if max_tokens < 1 {
             return Err(InvalidRequestError::new_err(format!(
@@ -67,14 +77,19 @@ impl PyScheduler {
         if !(1..=u32::MAX as i64).contains(&n) {
             return Err(InvalidRequestError::new_err(format!("request {req_id}: n must be >= 1, got {n}")));
         }
+        if !detokenize && !stop.is_empty() {
+            return Err(InvalidRequestError::new_err(format!("request {req_id}: stop strings need detokenize=True")));
+        }
         let params = RequestParams {
             max_tokens: max_tokens as usize,
             priority,
             eos_token_id: eos,
-            stop_token_ids: stop,
+            stop_token_ids: stop_ids,
             ignore_eos,
             n: n as u32,
+            text: detokenize.then_some(TextParams { stop, skip_special_tokens }),
         };
+
         self.inner.add_request(id, prompt, params).map_err(to_pyerr)
     }
 

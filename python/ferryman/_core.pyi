@@ -146,6 +146,31 @@ class SchedulerOutput:
     def finished_req_ids(self) -> npt.NDArray[np.int64]:
         """int64 [f]: requests finished or aborted since the previous schedule()."""
     @property
+    def rows(self) -> npt.NDArray[np.int32]:
+        """int32 [B]: each scheduled sequence's row of the persistent batch (kept while it runs)."""
+    @property
+    def rows_removed(self) -> npt.NDArray[np.int32]:
+        """int32 [R]: rows freed since the previous step; apply before rows_added."""
+    @property
+    def rows_added(self) -> npt.NDArray[np.int32]:
+        """int32 [A]: rows taken in this step (their block tables start empty)."""
+    @property
+    def added_req_ids(self) -> npt.NDArray[np.int64]:
+        """int64 [A]: the request that took each added row."""
+    @property
+    def added_seq_indices(self) -> npt.NDArray[np.int32]:
+        """int32 [A]: its fork index."""
+    @property
+    def table_rows(self) -> npt.NDArray[np.int32]:
+        """int32 [N]: with table_cols and table_blocks, the block-table entries the runner does
+        not hold yet: ``table[table_rows, table_cols] = table_blocks``."""
+    @property
+    def table_cols(self) -> npt.NDArray[np.int32]:
+        """int32 [N]."""
+    @property
+    def table_blocks(self) -> npt.NDArray[np.int32]:
+        """int32 [N]."""
+    @property
     def step(self) -> int: ...
     @property
     def num_scheduled_tokens(self) -> int: ...
@@ -187,6 +212,25 @@ class StepOutputs:
     @property
     def finish_reasons(self) -> list[_FinishReason | None]:
         """[S]: None, or why this token finished the sequence."""
+    @property
+    def num_output_tokens(self) -> npt.NDArray[np.uint32]:
+        """uint32 [S]: the row's sequence's output tokens, this one included."""
+    @property
+    def deltas(self) -> list[str]:
+        """[S]: the text each row releases now ("" without detokenization). Stop strings are cut
+        and text that may still begin one is held back; a finished row releases the rest."""
+    @property
+    def finished_rows(self) -> npt.NDArray[np.uint32]:
+        """uint32 [F]: the rows whose sequence finished (aborted ones not counted)."""
+    @property
+    def output_token_offsets(self) -> npt.NDArray[np.uint32]:
+        """uint32 [F+1]: each finished sequence's span of output_token_ids."""
+    @property
+    def output_token_ids(self) -> npt.NDArray[np.int32]:
+        """int32: the finished sequences' whole outputs, back to back."""
+    @property
+    def output_texts(self) -> list[str]:
+        """[F]: each finished sequence's whole text."""
     def __len__(self) -> int: ...
 
 @final
@@ -196,6 +240,9 @@ class Scheduler:
     def __new__(cls, config: SchedulerConfig) -> Scheduler: ...
     @property
     def config(self) -> SchedulerConfig: ...
+    def set_tokenizer(self, tokenizer_json: str) -> None:
+        """Detokenizes requests with ``detokenize=True`` (``tokenizer_json``: a tokenizer.json's
+        content, e.g. a fast tokenizer's ``backend_tokenizer.to_str()``)."""
     def add_request(
         self,
         req_id: int,
@@ -207,9 +254,14 @@ class Scheduler:
         stop_token_ids: list[int] | tuple[int, ...] = ...,
         ignore_eos: bool = False,
         n: int = 1,
+        detokenize: bool = False,
+        stop: list[str] = ...,
+        skip_special_tokens: bool = True,
     ) -> None:
         """Queues a request; raises InvalidRequestError for a duplicate live id, an empty prompt,
-        bad parameters, or a request that could never fit max_model_len or the device pool."""
+        bad parameters, or a request that could never fit max_model_len or the device pool.
+        ``detokenize`` (needs set_tokenizer) makes update() return its text; ``stop`` strings
+        finish it with "stop", the text ending before the first one to appear."""
     def schedule(self) -> SchedulerOutput: ...
     def update(self, sampled_token_ids: npt.ArrayLike) -> StepOutputs:
         """One int32 token per entry of the last logits_indices, in order."""

@@ -1,7 +1,7 @@
 """Engine: loads a model, owns the KV tensors, and runs steps — ``schedule()`` in Rust, the plans
-and the forward in torch, sampling, then ``update()`` in Rust; detokenizes and applies stop
-strings. The API mirrors vLLM's ``LLM`` (``generate``) and ``LLMEngine`` (``add_request`` /
-``step``)."""
+and the forward in torch, sampling, then ``update()`` in Rust, which also detokenizes and applies
+stop strings; the output processor hands out ``RequestOutput`` objects. The API mirrors vLLM's
+``LLM`` (``generate``) and ``LLMEngine`` (``add_request`` / ``step``)."""
 
 from __future__ import annotations
 
@@ -9,33 +9,19 @@ import dataclasses
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
-import torch
 
-from ferryman._core import InvalidRequestError, SchedulerOutput
-from ferryman.detokenizer import IncrementalDetokenizer
+from ferryman._core import InvalidRequestError
 from ferryman.engine_args import DEFAULT_MODEL, EngineArgs
 from ferryman.engine_setup import build_parts
-from ferryman.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from ferryman.output_processor import OutputProcessor, RequestState
+from ferryman.outputs import PreemptionEvent, RequestMetrics, RequestOutput, StepResult, StepStats
 from ferryman.sampling_params import SamplingParams
-from ferryman.worker.sampler import gather_logprobs, sample
+from ferryman.worker.sampler import SamplingTable
 
 Prompt = str | Sequence[int]
-
-
-@dataclass(slots=True)
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seed: int
-    outputs: list[CompletionOutput]
-    detoks: list[IncrementalDetokenizer]
-    metrics: RequestMetrics
 
 
 class Engine:
@@ -52,12 +38,16 @@ class Engine:
         self.eos_token_ids = list(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids = [self.tokenizer.eos_token_id, *self.eos_token_ids]
+        if self.tokenizer is not None:
+            self.scheduler.set_tokenizer(self.tokenizer.backend_tokenizer.to_str())
         self._rng = random.Random(args.seed)
-        self._reqs: dict[int, _Request] = {}
+        self._outputs = OutputProcessor()
+        self._sampling = SamplingTable()
         self._core_ids: dict[str, int] = {}
+        self._free_ids: list[int] = []  # core ids to reuse: they index the sampling table
         self._next_id = 0
+        self._num_added = 0
         self.peak_blocks_used = 0
-        self.last_schedule: SchedulerOutput | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> Engine:
@@ -79,13 +69,14 @@ class Engine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if request_id in self._core_ids:
             raise InvalidRequestError(f"request {request_id!r} already exists")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer, and this model has none")
         text, ids = self._tokenize(prompt)
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         # the core takes one EOS id; the model's other EOS ids stop the request as stop ids
         extra_eos = [] if params.ignore_eos else self.eos_token_ids[1:]
-        stop_ids = [*params.stop_token_ids, *extra_eos]
         max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))
-        core_id = self._next_id
+        core_id = self._free_ids.pop() if self._free_ids else self._next_id
         try:
             self.scheduler.add_request(
                 core_id,
@@ -93,39 +84,49 @@ class Engine:
                 max_tokens,
                 priority=params.priority,
                 eos_token_id=eos,
-                stop_token_ids=stop_ids,
+                stop_token_ids=[*params.stop_token_ids, *extra_eos],
                 ignore_eos=params.ignore_eos,
                 n=params.n,
+                detokenize=self.tokenizer is not None,
+                stop=params.stop,
+                skip_special_tokens=params.skip_special_tokens,
             )
         except InvalidRequestError as e:  # name the user's request id, not the core's number
+            if core_id != self._next_id:
+                self._free_ids.append(core_id)
             msg = str(e).removeprefix(f"request {core_id}: ")
             raise InvalidRequestError(f"request {request_id!r}: {msg}") from None
-        self._next_id += 1
+        self._next_id = max(self._next_id, core_id + 1)
+        self._num_added += 1
         seed = params.seed if params.seed is not None else self._rng.randrange(1 << 40)
-        outs = [CompletionOutput(index=k) for k in range(params.n)]
-        detoks = [IncrementalDetokenizer(self.tokenizer) for _ in range(params.n)]
-        self._reqs[core_id] = _Request(
-            request_id, text, ids, params, seed, outs, detoks, RequestMetrics(arrival)
-        )
+        self._sampling.set(core_id, params, seed)
+        self._outputs.add(core_id, RequestState(request_id, text, ids, params, RequestMetrics(arrival)))
         self._core_ids[request_id] = core_id
 
     def num_prompt_tokens(self, request_id: str) -> int:
         """Prompt length of a live request, in tokens."""
-        return len(self._reqs[self._core_ids[request_id]].prompt_token_ids)
+        return len(self._outputs.reqs[self._core_ids[request_id]].prompt_token_ids)
 
     def abort_request(self, request_id: str) -> bool:
-        core_id = self._core_ids.pop(request_id, None)
+        core_id = self._core_ids.get(request_id)
         if core_id is None:
             return False
-        self._reqs.pop(core_id, None)
+        self._release(core_id)
         return self.scheduler.abort_request(core_id)
+
+    def _release(self, core_id: int) -> None:
+        st = self._outputs.remove(core_id)
+        if st is not None:
+            del self._core_ids[st.request_id]
+        self._sampling.clear(core_id)
+        self._free_ids.append(core_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     def stats(self) -> dict[str, Any]:
+        """Cumulative counters and current gauges (events come with each ``StepResult``)."""
         st: dict[str, Any] = dict(self.scheduler.stats())
-        st["events"] = self.scheduler.drain_events()
         cfg = self.scheduler.config
         st["cost_model"] = {
             "bytes_per_block": cfg.bytes_per_block,
@@ -138,91 +139,37 @@ class Engine:
 
     # -- stepping ------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Runs one step; returns the requests that produced a token (finished ones marked)."""
+    def step(self) -> StepResult:
+        """Runs one step: the outputs it produced (per request's ``output_kind``; finished ones
+        marked), its statistics and its preemptions."""
         out = self.scheduler.schedule()
-        self.last_schedule = out
         now = time.monotonic()
-        for r in np.unique(out.req_ids).tolist():
-            sreq = self._reqs.get(r)
-            if sreq is not None and sreq.metrics.first_scheduled_time is None:
-                sreq.metrics.first_scheduled_time = now
-        used = self.kv.num_device_blocks - out.num_free_device_blocks
-        self.peak_blocks_used = max(self.peak_blocks_used, used)
+        reqs = self._outputs.reqs
+        qo_lens = np.diff(out.qo_indptr)
+        if len(qo_lens):  # a request's first scheduled row is a prompt chunk: decode rows are skipped
+            for r in out.req_ids[(qo_lens > 1) | (out.seq_lens == qo_lens)].tolist():
+                st = reqs.get(r)
+                if st is not None and st.metrics.first_scheduled_time is None:
+                    st.metrics.first_scheduled_time = now
+        self.peak_blocks_used = max(self.peak_blocks_used, self.kv.num_device_blocks - out.num_free_device_blocks)
         logits = self.runner.execute(out)
-        sampled, logprobs = self._sample(logits, out.sample_req_ids, out.sample_seq_indices)
+        ids = out.sample_req_ids
+        if len(ids):
+            rows = np.searchsorted(out.qo_indptr, out.logits_indices, side="right") - 1
+            tokens, lps = self._sampling.sample(logits, ids, out.sample_seq_indices, out.seq_lens[rows])
+            sampled = tokens.cpu().numpy()
+        else:
+            sampled, lps = np.zeros(0, np.int32), None
         res = self.scheduler.update(sampled)
-        touched: dict[int, _Request] = {}
-        ids, ks, toks = res.req_ids.tolist(), res.seq_indices.tolist(), res.new_token_ids.tolist()
-        rows = zip(ids, ks, toks, res.finish_reasons, strict=True)
-        for row, (rid, k, tok, reason) in enumerate(rows):
-            req = self._reqs.get(rid)
-            if req is None:
-                continue
-            self._append(rid, req, req.outputs[k], tok, reason)
-            lp = logprobs[row]
-            if lp is not None:
-                o = req.outputs[k]
-                if o.logprobs is None:
-                    o.logprobs, o.cumulative_logprob = [], 0.0
-                o.logprobs.append(lp)
-                o.cumulative_logprob = (o.cumulative_logprob or 0.0) + lp[tok]
-            touched[rid] = req
-        results = []
-        now = time.monotonic()
-        for rid, req in touched.items():
-            done = all(o.finish_reason is not None for o in req.outputs)
-            m = req.metrics
-            if m.first_token_time is None:
-                m.first_token_time = now
-            if done:
-                m.finished_time = now
-            results.append(
-                RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.outputs, done, m)
-            )
-            if done:
-                del self._reqs[rid]
-                self._core_ids.pop(req.request_id, None)
-        return results
-
-    def _sample(
-        self, logits: torch.Tensor, req_ids: np.ndarray, seq_indices: np.ndarray
-    ) -> tuple[np.ndarray, list[dict[int, float] | None]]:
-        """One token per sample row, and per row the logprobs it asked for (else None)."""
-        if len(req_ids) == 0:
-            return np.zeros(0, dtype=np.int32), []
-        reqs = [self._reqs[r] for r in req_ids.tolist()]
-        ks = seq_indices.tolist()
-        ps = [r.params for r in reqs]
-        dev = logits.device
-        positions = [
-            len(r.prompt_token_ids) + len(r.outputs[k].token_ids) for r, k in zip(reqs, ks, strict=True)
+        outputs = self._outputs.process(res, lps, time.monotonic())
+        for ro in outputs:
+            if ro.finished:
+                self._release(self._core_ids[ro.request_id])
+        events = [
+            PreemptionEvent(**e, request_id=st.request_id if (st := reqs.get(e["req_id"])) else None)
+            for e in self.scheduler.drain_events()
         ]
-        tokens = sample(
-            logits,
-            torch.tensor([p.temperature for p in ps], device=dev),
-            torch.tensor([p.top_k for p in ps], device=dev),
-            torch.tensor([p.top_p for p in ps], device=dev),
-            torch.tensor([p.min_p for p in ps], device=dev),
-            torch.tensor([r.seed + 1000003 * k for r, k in zip(reqs, ks, strict=True)], device=dev),
-            torch.tensor(positions, device=dev),
-        )
-        return tokens.cpu().numpy(), gather_logprobs(logits, tokens, [p.logprobs for p in ps])
-
-    def _append(self, rid: int, req: _Request, out: CompletionOutput, tok: int, reason: str | None) -> None:
-        out.token_ids.append(tok)
-        if self.tokenizer is not None:
-            start = len(out.text)
-            out.text += req.detoks[out.index].step(out.token_ids, final=reason is not None)
-            # a stop string can only end inside the new text, so search just the tail it may span
-            hits = [out.text.find(s, max(0, start - len(s) + 1)) for s in req.params.stop]
-            hits = [at for at in hits if at >= 0]
-            if hits:
-                out.text = out.text[: min(hits)]
-                if reason is None:
-                    self.scheduler.finish_request(rid, "stop", out.index)
-                reason = "stop"
-        out.finish_reason = reason
+        return StepResult(outputs, StepStats.of(out, len(sampled)), events)
 
     # -- offline batch -------------------------------------------------------------------------
 
@@ -239,13 +186,14 @@ class Engine:
         else:
             plist = list(cast(Sequence[Prompt], prompts))
         params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(plist)
-        ids = [f"generate-{self._next_id + i}" for i in range(len(plist))]
+        ids = [f"generate-{self._num_added + i}" for i in range(len(plist))]
         for rid, p, sp in zip(ids, plist, params, strict=True):
-            self.add_request(rid, p, sp)
+            sp = sp or SamplingParams()
+            self.add_request(rid, p, dataclasses.replace(sp, output_kind="final_only"))
         final: dict[str, RequestOutput] = {}
         bar = _progress(len(plist)) if use_tqdm else None
         while len(final) < len(ids) and self.has_unfinished_requests():
-            for ro in self.step():
+            for ro in self.step().outputs:
                 if ro.finished:
                     final[ro.request_id] = ro
                     if bar is not None:

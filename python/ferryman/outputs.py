@@ -1,8 +1,10 @@
-"""What generate() and step() return (vLLM's RequestOutput / CompletionOutput shape)."""
+"""What generate() and step() return: vLLM's RequestOutput / CompletionOutput shape, and the
+``StepResult`` of one ``Engine.step()`` with its typed step statistics and preemption events."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -39,3 +41,79 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     metrics: RequestMetrics | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class StepStats:
+    """What one step planned and produced (the scheduler's figures for it)."""
+
+    step: int
+    schedule_ns: int
+    num_scheduled_seqs: int
+    num_scheduled_tokens: int
+    num_prefill_tokens: int
+    token_budget_left: int
+    num_free_device_blocks: int
+    num_free_host_blocks: int
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_preemptions: int
+    num_blocks_swapped_out: int
+    num_blocks_swapped_in: int
+    num_blocks_copied: int
+    num_generated_tokens: int
+
+    @classmethod
+    def of(cls, plan: Any, num_generated_tokens: int) -> StepStats:
+        """From a ``SchedulerOutput`` and the number of tokens its step sampled."""
+        return cls(
+            plan.step,
+            plan.schedule_ns,
+            len(plan.seq_lens),
+            plan.num_scheduled_tokens,
+            plan.num_prefill_tokens,
+            plan.token_budget_left,
+            plan.num_free_device_blocks,
+            plan.num_free_host_blocks,
+            plan.num_running,
+            plan.num_waiting,
+            plan.num_swapped,
+            plan.num_preemptions,
+            len(plan.blocks_to_swap_out),
+            len(plan.blocks_to_swap_in),
+            len(plan.blocks_to_copy),
+            num_generated_tokens,
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class PreemptionEvent:
+    """One preemption as the core decided it (docs/design.md: the telemetry contract)."""
+
+    step: int
+    req_id: int
+    seq_index: int
+    mode: str  # "recompute" | "swap"
+    reason: str  # "config" | "cost" | "host_full"
+    for_req_id: int
+    num_blocks_freed: int
+    bytes_to_move: int
+    num_tokens_to_recompute: int
+    swap_cost_s: float
+    recompute_cost_s: float
+    token_budget_left: int
+    num_free_device_blocks: int
+    num_free_host_blocks: int
+    num_preemptions: int
+    request_id: str | None = None  # the caller's id, when the engine knows it
+
+
+@dataclass(slots=True)
+class StepResult:
+    """One ``Engine.step()``: the outputs to hand out (per each request's ``output_kind``), the
+    step's statistics, and the preemptions it made."""
+
+    outputs: list[RequestOutput]
+    stats: StepStats | None = None  # None when there was nothing to schedule
+    preemptions: list[PreemptionEvent] = field(default_factory=list)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -25,6 +27,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     priority: int = 0
+    skip_special_tokens: bool = True
+    # "cumulative": each step's output holds the whole text so far (vLLM's LLMEngine default);
+    # "delta": only what is new since the last output; "final_only": one output, when finished
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -41,5 +47,9 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")

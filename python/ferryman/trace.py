@@ -9,7 +9,7 @@ Two record types, told apart by ``"type"``:
   and ``num_device_blocks``, ``num_free_host_blocks`` and ``num_host_blocks``, ``num_running``,
   ``num_waiting``, ``num_swapped``, ``num_blocks_swapped_out``, ``num_blocks_swapped_in``,
   ``num_blocks_copied``, and ``preemptions``: ``[{"req_id", "mode", "reason"}]`` of this step;
-- ``"preemption"``: one core telemetry event as ``Scheduler.drain_events()`` returns it (victim,
+- ``"preemption"``: one core telemetry event, a ``PreemptionEvent``'s fields (victim,
   chosen mode, reason, blocks freed, estimated swap and recompute costs, budget and free blocks at
   that moment).
 """
@@ -22,11 +22,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from ferryman._core import SchedulerConfig, SchedulerOutput
+from ferryman._core import SchedulerConfig
+from ferryman.outputs import PreemptionEvent, StepStats
 
 
 def step_record(
-    plan: SchedulerOutput, config: SchedulerConfig, events: list[dict[str, Any]], t: float, step_s: float
+    plan: StepStats, config: SchedulerConfig, events: list[PreemptionEvent], t: float, step_s: float
 ) -> dict[str, Any]:
     """The ``"step"`` record of one planned step and the events it raised."""
     return {
@@ -46,10 +47,10 @@ def step_record(
         "num_running": plan.num_running,
         "num_waiting": plan.num_waiting,
         "num_swapped": plan.num_swapped,
-        "num_blocks_swapped_out": len(plan.blocks_to_swap_out),
-        "num_blocks_swapped_in": len(plan.blocks_to_swap_in),
-        "num_blocks_copied": len(plan.blocks_to_copy),
-        "preemptions": [{"req_id": e["req_id"], "mode": e["mode"], "reason": e["reason"]} for e in events],
+        "num_blocks_swapped_out": plan.num_blocks_swapped_out,
+        "num_blocks_swapped_in": plan.num_blocks_swapped_in,
+        "num_blocks_copied": plan.num_blocks_copied,
+        "preemptions": [{"req_id": e.req_id, "mode": e.mode, "reason": e.reason} for e in events],
     }
 
 

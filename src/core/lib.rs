@@ -9,9 +9,12 @@
 //! plans are `blocks_to_swap_out`, `blocks_to_swap_in`, `blocks_to_copy`.
 //!
 //! Layering: `Scheduler` (step policy, budgets, preemption) → `KvCacheManager` (tokens → blocks,
-//! tables, swap, prefix cache) → `BlockPool` (blocks, ref counts, free list).
+//! tables, swap, prefix cache) → `BlockPool` (blocks, ref counts, free list). Beside them, the
+//! `Batch` gives each running sequence a persistent row of the runner's tensors, and `text`
+//! turns tokens into text.
 
 pub mod arena;
+pub mod batch;
 pub mod block_pool;
 pub mod config;
 pub mod error;
@@ -21,9 +24,11 @@ pub mod prefix_cache;
 pub mod queues;
 pub mod request;
 pub mod scheduler;
+pub mod text;
 
 pub use config::{Policy, PreemptionMode, PreemptionModeConfig, SchedulerConfig};
 pub use error::{CoreError, CoreResult};
 pub use outputs::{Counters, PreemptionEvent, PreemptionReason, SchedulerOutput, StepOutputs, StepStats};
-pub use request::{FinishReason, RequestParams, RequestStatus};
+pub use request::{FinishReason, RequestParams, RequestStatus, TextParams};
 pub use scheduler::Scheduler;
+pub use text::Tokenizer;

@@ -13,24 +13,32 @@ use crate::request::FinishReason;
 pub struct SchedulerOutput {
     /// [B] the caller's id of each row.
     pub req_ids: Vec<i64>,
+    /// [B] each scheduled sequence's row of the persistent batch.
+    pub rows: Vec<i32>,
+    /// [R] rows freed since the previous step: apply before `rows_added`.
+    pub rows_removed: Vec<i32>,
+    /// [A] rows taken in this step, and the sequence that took each.
+    pub rows_added: Vec<i32>,
+    pub added_req_ids: Vec<i64>,
+    pub added_seq_indices: Vec<i32>,
+    /// [N] block-table entries the runner does not hold yet:
+    /// `table[table_rows[i], table_cols[i]] = table_blocks[i]` (a taken row gets its whole table).
+    pub table_rows: Vec<i32>,
+    pub table_cols: Vec<i32>,
+    pub table_blocks: Vec<i32>,
     /// [B] fork index of each row (0 unless `n > 1`).
     pub seq_indices: Vec<i32>,
     /// [T] tokens to compute.
     pub input_ids: Vec<i32>,
-    /// [T] their positions.
-    pub positions: Vec<i64>,
     /// [B+1] row offsets into the T tokens.
     pub qo_indptr: Vec<i32>,
     /// [B] KV length of each row after this step.
     pub seq_lens: Vec<i32>,
-    /// [B+1] row offsets into `kv_indices`.
+    /// [B+1] each row's first page among the step's pages (FlashInfer's `kv_indptr`; the runner
+    /// lays the pages out from its block table).
     pub kv_indptr: Vec<i32>,
-    /// [nnz] device blocks of each row, in order.
-    pub kv_indices: Vec<i32>,
     /// [B] tokens in each row's last block (1..=block_size).
     pub kv_last_page_len: Vec<i32>,
-    /// [T] slot (block * block_size + offset) each token's KV is written to.
-    pub slot_mapping: Vec<i64>,
     /// [S] token row whose logits are sampled.
     pub logits_indices: Vec<i64>,
     /// [S] the caller's id of each sample.
@@ -123,7 +131,8 @@ pub struct Counters {
     pub scheduler_ns: u64,
 }
 
-/// The result of `update()`, one entry per sample of the step.
+/// The result of `update()`: one row per sample of the step (S), and the whole output of the
+/// F sequences that finished in it, so the caller needs no per-token state of its own.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StepOutputs {
     /// [S] the caller's id.
@@ -134,6 +143,63 @@ pub struct StepOutputs {
     pub new_token_ids: Vec<i32>,
     /// [S] set when this token finished the sequence.
     pub finish_reasons: Vec<Option<FinishReason>>,
+    /// [S] output tokens of the row's sequence, this one included.
+    pub num_output_tokens: Vec<u32>,
+    /// [S+1] byte offsets into `text`: the text each row may release now (for requests with
+    /// text; stop strings cut, text that may begin a stop string held back until it cannot).
+    pub text_offsets: Vec<u32>,
+    /// The rows' new text, UTF-8, back to back.
+    pub text: Vec<u8>,
+    /// [F] rows whose sequence finished (not counting aborted ones).
+    pub finished_rows: Vec<u32>,
+    /// [F+1] offsets into `output_token_ids`: each finished sequence's output tokens.
+    pub output_token_offsets: Vec<u32>,
+    pub output_token_ids: Vec<i32>,
+    /// [F+1] byte offsets into `output_text`: each finished sequence's whole text.
+    pub output_text_offsets: Vec<u32>,
+    pub output_text: Vec<u8>,
+}
+
+impl StepOutputs {
+    /// Empty outputs with room for `n` rows.
+    pub fn with_capacity(n: usize) -> Self {
+        let mut o = Self {
+            req_ids: Vec::with_capacity(n),
+            seq_indices: Vec::with_capacity(n),
+            new_token_ids: Vec::with_capacity(n),
+            finish_reasons: Vec::with_capacity(n),
+            num_output_tokens: Vec::with_capacity(n),
+            text_offsets: Vec::with_capacity(n + 1),
+            ..Self::default()
+        };
+        o.text_offsets.push(0);
+        o.output_token_offsets.push(0);
+        o.output_text_offsets.push(0);
+        o
+    }
+
+    /// Adds a row whose new text (if any) is already at the end of `text`.
+    pub fn push_row(
+        &mut self,
+        req_id: u64,
+        seq_index: u32,
+        token: i32,
+        finish: Option<FinishReason>,
+        num_output: usize,
+    ) {
+        self.req_ids.push(req_id as i64);
+        self.seq_indices.push(seq_index as i32);
+        self.new_token_ids.push(token);
+        self.finish_reasons.push(finish);
+        self.num_output_tokens.push(num_output as u32);
+        self.text_offsets.push(self.text.len() as u32);
+    }
+
+    /// Row `i`'s new text.
+    pub fn text_of(&self, i: usize) -> &str {
+        let (a, b) = (self.text_offsets[i] as usize, self.text_offsets[i + 1] as usize);
+        std::str::from_utf8(&self.text[a..b]).expect("rows hold whole characters")
+    }
 }
 
 /// Why a preemption used the mode it did.

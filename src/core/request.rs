@@ -5,7 +5,12 @@
 //! share the prompt's blocks by reference count. After the fork each runs, is preempted and
 //! finishes on its own. The KV cache manager, not the request, owns the block table.
 //!
+//! A request with `TextParams` also owns its text state (`SeqText`): the detokenized output so
+//! far and its stop strings, advanced by the scheduler's `update()` with every token.
+//!
 //! Invariant: `num_computed_tokens <= token_ids.len()`; `token_ids` starts with the prompt.
+
+use crate::text::SeqText;
 
 /// Which queue a live request is in. A finished request is dropped at once (its id is reported
 /// in the next `finished_req_ids`), so there is no finished status.
@@ -19,7 +24,7 @@ pub enum RequestStatus {
 /// Why a request finished, as OpenAI names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
-    /// EOS, a stop token id, or a stop string found by Python.
+    /// EOS, a stop token id, or a stop string.
     Stop,
     /// `max_tokens` or `max_model_len` reached.
     Length,
@@ -51,6 +56,15 @@ pub struct StopParams {
     pub ignore_eos: bool,
 }
 
+/// Detokenization of a request's output (needs the scheduler's tokenizer).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TextParams {
+    /// Finish with "stop" at the earliest of these in the text; the text ends before it.
+    pub stop: Vec<String>,
+    /// Leave special tokens out of the text.
+    pub skip_special_tokens: bool,
+}
+
 /// Sampling-independent parameters of a new request.
 #[derive(Debug, Clone, Default)]
 pub struct RequestParams {
@@ -66,6 +80,8 @@ pub struct RequestParams {
     pub ignore_eos: bool,
     /// Parallel samples (>= 1).
     pub n: u32,
+    /// Detokenize the output and apply stop strings; `None`: token ids only.
+    pub text: Option<TextParams>,
 }
 
 /// One sequence under the scheduler's control.
@@ -100,6 +116,10 @@ pub struct Request {
     /// While swapped: leading blocks left on the device (cached and held by others) instead of
     /// copied to the host; swap-in takes them back from the prefix cache.
     pub num_swap_prefix_blocks: usize,
+    /// The output's text and stop strings, when the request asked for text.
+    pub text: Option<Box<SeqText>>,
+    /// Its row of the persistent batch, while running and once scheduled.
+    pub row: Option<u32>,
 }
 
 impl Request {
@@ -124,6 +144,8 @@ impl Request {
                 ignore_eos: p.ignore_eos,
             },
             num_pending_forks: p.n,
+            text: p.text.map(|t| Box::new(SeqText::new(t.stop, t.skip_special_tokens))),
+            row: None,
             status: RequestStatus::Waiting,
             num_preemptions: 0,
             block_hashes: Vec::new(),
@@ -184,6 +206,8 @@ mod tests {
             block_hashes: vec![],
             num_swap_prefix_blocks: 0,
             num_cached_blocks: 0,
+            text: None,
+            row: None,
         }
     }
 

@@ -1,8 +1,10 @@
 //! `Scheduler`: one engine's scheduler, composed of parts that each own their state privately:
 //! the `RequestArena` (every live request, by `ReqIdx` and `req_id`), the `Queues` (`waiting`,
-//! `running`, `swapped`), and the `KvCacheManager` (blocks, tables, prefix cache, swap space).
+//! `running`, `swapped`), the `KvCacheManager` (blocks, tables, prefix cache, swap space), and
+//! the persistent `Batch` (rows of running sequences).
 //! The scheduler itself owns the config, the step counter and plan awaiting `update()`, and the
-//! telemetry (events, counters, last step's stats). This file holds the request lifecycle
+//! telemetry (events, counters, last step's stats), and the tokenizer that `update()` turns
+//! tokens into text with. This file holds the request lifecycle
 //! (`add_request`, `abort_request`, `finish_request`) and the accessors; the rest of its impl is
 //! in `scheduler/`:
 //! - `plan.rs`: `schedule()`, the three passes that plan one step;
@@ -20,12 +22,14 @@ mod preemption;
 mod step;
 
 use crate::arena::{ReqIdx, RequestArena};
+use crate::batch::Batch;
 use crate::config::SchedulerConfig;
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache_manager::{BlockCopy, KvCacheManager};
 use crate::outputs::{Counters, PreemptionEvent, StepStats};
 use crate::queues::Queues;
 use crate::request::{FinishReason, Request, RequestParams, RequestStatus};
+use crate::text::Tokenizer;
 use step::PendingStep;
 
 /// A request scheduled in the step being planned.
@@ -54,6 +58,7 @@ pub struct Scheduler {
     kv: KvCacheManager,
     reqs: RequestArena,
     queues: Queues,
+    batch: Batch,
     next_arrival: u64,
     step: u64,
     pending: Option<PendingStep>,
@@ -61,8 +66,8 @@ pub struct Scheduler {
     events: Vec<PreemptionEvent>,
     counters: Counters,
     last_step: StepStats,
-    /// 0, 1, .., max(max_model_len, block_size): positions and slot runs are copied from it.
-    iota: Vec<i64>,
+    /// Detokenizes the output of requests that ask for text.
+    tokenizer: Option<Tokenizer>,
 }
 
 impl Scheduler {
@@ -71,12 +76,13 @@ impl Scheduler {
         cfg.validate()?;
         let kv =
             KvCacheManager::new(cfg.block_size, cfg.num_device_blocks, cfg.num_host_blocks, cfg.enable_prefix_caching);
-        let iota = (0..=cfg.max_model_len.max(cfg.block_size) as i64).collect();
+        let batch = Batch::new(cfg.max_num_seqs);
         Ok(Self {
             cfg,
             kv,
             reqs: RequestArena::new(),
             queues: Queues::new(),
+            batch,
             next_arrival: 0,
             step: 0,
             pending: None,
@@ -84,8 +90,13 @@ impl Scheduler {
             events: Vec::new(),
             counters: Counters::default(),
             last_step: StepStats::default(),
-            iota,
+            tokenizer: None,
         })
+    }
+
+    /// Sets the tokenizer that requests with `TextParams` are detokenized with.
+    pub fn set_tokenizer(&mut self, tokenizer: Tokenizer) {
+        self.tokenizer = Some(tokenizer);
     }
 
     /// The configuration.
@@ -111,6 +122,14 @@ impl Scheduler {
         }
         if let Some(&t) = prompt_token_ids.iter().find(|&&t| t > i32::MAX as u32) {
             return bad(format!("token id {t} out of range"));
+        }
+        if let Some(text) = &p.text {
+            if self.tokenizer.is_none() {
+                return bad("text output needs a tokenizer, and this scheduler has none".into());
+            }
+            if text.stop.iter().any(String::is_empty) {
+                return bad("a stop string is empty".into());
+            }
         }
         let num_prompt_tokens = prompt_token_ids.len();
         let total = num_prompt_tokens.saturating_add(p.max_tokens);
@@ -180,6 +199,9 @@ impl Scheduler {
         let (r, last_fork) = self.reqs.remove(idx, self.pending.is_some());
         if reason == FinishReason::Abort {
             self.counters.num_forks_aborted += 1;
+        }
+        if let Some(row) = r.row {
+            self.batch.release(row);
         }
         match r.status {
             RequestStatus::Running => _ = self.kv.free(idx),

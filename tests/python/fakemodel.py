@@ -1,7 +1,8 @@
 """A fake transformer for driving the real core from Python: it keeps a KV store of int64
 "activations" laid out in blocks exactly like the engine's KV tensors, runs the step's swap/copy
-plans on it, writes each token's KV through ``slot_mapping`` and reads every row's context through
-``kv_indices``. KV at position p is a hash of the KV at p-1 and the token at p, and the sampled
+plans on it, keeps the persistent batch's block table as a runner does (``BlockTable``), writes
+each token's KV through the slots derived from it and reads every row's context through its
+pages. KV at position p is a hash of the KV at p-1 and the token at p, and the sampled
 token is derived from the last KV, so any wrong block, slot or plan changes the output, just as
 it would corrupt a real model's generation.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ferryman import Scheduler, SchedulerOutput
+from ferryman.worker.block_table import BlockTable
 
 MASK = (1 << 61) - 1
 
@@ -27,6 +29,7 @@ class FakeModel:
         self.device = np.zeros((num_device_blocks + 1, block_size), dtype=np.int64)
         self.host = np.zeros((num_host_blocks + 1, block_size), dtype=np.int64)
         self.vocab = vocab
+        self.tables = BlockTable(8, 8, block_size)  # grows to what the scheduler sends
 
     def forward(self, out: SchedulerOutput) -> np.ndarray:
         """Runs one step and returns one sampled token per entry of ``logits_indices``."""
@@ -39,17 +42,18 @@ class FakeModel:
             self.device[cp[:, 1]] = self.device[cp[:, 0]]
         flat = self.device.reshape(-1)
         last_kv = np.zeros(len(out.input_ids), dtype=np.int64)
-        qo, kvp, kvi = out.qo_indptr, out.kv_indptr, out.kv_indices
+        step = self.tables.step(out)
+        qo, kvp, kvi = out.qo_indptr, out.kv_indptr, step.kv_indices
         for b in range(len(out.req_ids)):
             table = kvi[kvp[b] : kvp[b + 1]]
             for i in range(qo[b], qo[b + 1]):
-                pos = int(out.positions[i])
+                pos = int(step.positions[i])
                 if pos == 0:
                     prev = 7
                 else:
                     prev = int(flat[int(table[(pos - 1) // self.bs]) * self.bs + (pos - 1) % self.bs])
                 kv = mix(prev, int(out.input_ids[i]), pos)
-                flat[out.slot_mapping[i]] = kv
+                flat[step.slot_mapping[i]] = kv
                 last_kv[i] = kv
         rows = last_kv[out.logits_indices]
         seqs = out.sample_seq_indices.astype(np.int64)

@@ -12,6 +12,7 @@ from tiny_models import dense_causal
 
 from ferryman import Scheduler, SchedulerConfig
 from ferryman.attention.torch_backend import DECODE_GROUP, TorchAttentionBackend
+from ferryman.worker.block_table import BlockTable
 
 MANY = {r: (3 + 3 * r, 24) for r in range(13)}  # 13 decode rows at once: two length-sorted groups
 
@@ -37,18 +38,20 @@ def test_chunked_prefill_and_decode_match_dense_causal_attention(lens: dict[int,
     backend = TorchAttentionBackend([kv[:, i] for i in range(layers)], bs, scale=d**-0.5)
     got = {r: [torch.full((p + n, hq, d), float("nan")) for _ in range(layers)] for r, (p, n) in lens.items()}
     chunked, most_decodes = False, 0
+    tables = BlockTable(16, 20, bs)
     while s.has_unfinished_requests():
         out = s.schedule()
-        backend.plan(out)
+        step = tables.step(out)
+        backend.plan(step)
         most_decodes = max(most_decodes, int(np.sum(np.diff(out.qo_indptr) == 1)))
         rows = np.repeat(out.req_ids, np.diff(out.qo_indptr))
         chunked |= bool(np.any(out.seq_lens > np.diff(out.qo_indptr)) and out.num_prefill_tokens > 0)
         for layer in range(layers):
-            q = torch.stack([seqs[int(r)][layer][0][p] for r, p in zip(rows, out.positions, strict=True)])
-            k = torch.stack([seqs[int(r)][layer][1][p] for r, p in zip(rows, out.positions, strict=True)])
-            v = torch.stack([seqs[int(r)][layer][2][p] for r, p in zip(rows, out.positions, strict=True)])
+            q = torch.stack([seqs[int(r)][layer][0][p] for r, p in zip(rows, step.positions, strict=True)])
+            k = torch.stack([seqs[int(r)][layer][1][p] for r, p in zip(rows, step.positions, strict=True)])
+            v = torch.stack([seqs[int(r)][layer][2][p] for r, p in zip(rows, step.positions, strict=True)])
             o = backend.forward(layer, q, k, v)
-            for i, (r, p) in enumerate(zip(rows, out.positions, strict=True)):
+            for i, (r, p) in enumerate(zip(rows, step.positions, strict=True)):
                 got[int(r)][layer][p] = o[i]
         s.update(np.ones(len(out.logits_indices), dtype=np.int32))
     assert chunked, "the 16-token budget must split a prompt across steps over cached context"
@@ -136,8 +139,9 @@ def test_flashinfer_plan_metadata_from_the_core_arrays() -> None:
     )
     s.add_request(1, list(range(1, 11)), 3, ignore_eos=True)
     s.add_request(2, list(range(20, 26)), 3, ignore_eos=True)
+    tables = BlockTable(4, 16, 4)
     out = s.schedule()
-    m = plan_metadata(out)
+    m = plan_metadata(tables.step(out))
     assert not m.decode_only
     assert all(t.dtype == torch.int32 for t in (m.qo_indptr, m.kv_indptr, m.kv_indices, m.kv_last_page_len))
     assert m.qo_indptr.tolist() == [0, 10, 16] and m.kv_indptr.tolist() == [0, 3, 5]
@@ -145,9 +149,10 @@ def test_flashinfer_plan_metadata_from_the_core_arrays() -> None:
     # kv length per row = page_size * (pages - 1) + last_page_len = seq_lens
     pages = np.diff(m.kv_indptr.numpy())
     assert (4 * (pages - 1) + m.kv_last_page_len.numpy()).tolist() == out.seq_lens.tolist()
+    assert m.kv_indices.tolist() == [1, 2, 3, 4, 5]  # each row's blocks, from the runner's table
     s.update(np.ones(len(out.logits_indices), dtype=np.int32))
     out = s.schedule()
-    m = plan_metadata(out)
+    m = plan_metadata(tables.step(out))
     assert m.decode_only and m.qo_indptr.tolist() == [0, 1, 2]
     s.update(np.ones(len(out.logits_indices), dtype=np.int32))
 
@@ -175,11 +180,12 @@ def test_graph_padding_keeps_the_step_and_pads_on_the_null_block() -> None:
     )
     for r, n in enumerate((9, 4, 13)):
         s.add_request(r, list(range(100 * r + 1, 100 * r + 1 + n)), 4, ignore_eos=True)
+    tables = BlockTable(4, 16, bs)
     out = s.schedule()
     with pytest.raises(ValueError, match="decode-only"):
-        pad_decode(out, 8)
+        pad_decode(tables.step(out), 8)
     s.update(np.ones(len(out.logits_indices), dtype=np.int32))
-    out = s.schedule()
+    out = tables.step(s.schedule())
     p = pad_decode(out, 8)
     assert len(p.input_ids) == len(p.positions) == len(p.slot_mapping) == len(p.kv_last_page_len) == 8
     assert p.input_ids[:3].tolist() == out.input_ids.tolist() and p.input_ids[3:].tolist() == [0] * 5
@@ -193,7 +199,7 @@ def test_graph_padding_keeps_the_step_and_pads_on_the_null_block() -> None:
     assert 0 not in out.kv_indices.tolist()  # so the dummies share no block with a request
     with pytest.raises(ValueError, match="do not fit"):
         pad_decode(out, 2)
-    s.update(np.ones(len(out.logits_indices), dtype=np.int32))
+    s.update(np.ones(3, dtype=np.int32))
 
 
 def test_graph_attention_writes_kv_where_the_static_slots_say_at_each_call() -> None:

@@ -14,11 +14,17 @@ INT32_FIELDS = [
     "qo_indptr",
     "seq_lens",
     "kv_indptr",
-    "kv_indices",
     "kv_last_page_len",
     "sample_seq_indices",
+    "rows",
+    "rows_removed",
+    "rows_added",
+    "added_seq_indices",
+    "table_rows",
+    "table_cols",
+    "table_blocks",
 ]
-INT64_FIELDS = ["req_ids", "positions", "slot_mapping", "logits_indices", "sample_req_ids"]
+INT64_FIELDS = ["req_ids", "logits_indices", "sample_req_ids", "added_req_ids"]
 PAIR_FIELDS = ["blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy"]
 
 
@@ -74,8 +80,9 @@ def test_every_output_array_has_its_dtype_and_shape() -> None:
     b, t = len(out.req_ids), len(out.input_ids)
     assert (b, t) == (2, 9)
     assert out.qo_indptr.shape == (b + 1,) and out.qo_indptr[-1] == t
-    assert out.kv_indptr.shape == (b + 1,) and out.kv_indptr[-1] == len(out.kv_indices)
-    assert out.positions.shape == out.slot_mapping.shape == (t,)
+    assert out.kv_indptr.shape == (b + 1,) and out.rows.tolist() == out.rows_added.tolist() == [0, 1]
+    assert out.table_rows.tolist() == [0, 0, 1] and out.table_cols.tolist() == [0, 1, 0]
+    assert out.kv_indptr[-1] == len(out.table_blocks)  # a new row gets its whole table
     assert list(out.logits_indices) == [5, 5, 8]  # the n=2 request samples its last row twice
     assert list(out.sample_req_ids) == [3, 3, 4] and list(out.sample_seq_indices) == [0, 1, 0]
     assert out.num_scheduled_tokens == 9 and out.step == 0
@@ -98,7 +105,7 @@ def test_output_arrays_are_wrapped_once_and_outlive_their_output() -> None:
     arrays = {name: getattr(out, name) for name in [*INT32_FIELDS, *INT64_FIELDS, *PAIR_FIELDS]}
     assert all(getattr(out, name) is a for name, a in arrays.items())
     del out
-    assert arrays["kv_indices"].tolist() == [1, 2, 3] and arrays["positions"].tolist() == list(range(10))
+    assert arrays["table_blocks"].tolist() == [1, 2, 3] and arrays["input_ids"].tolist() == list(range(1, 11))
     res = s.update(np.array([42], dtype=np.int32))
     tokens, reasons = res.new_token_ids, res.finish_reasons
     assert res.new_token_ids is tokens and res.finish_reasons is reasons

@@ -1,5 +1,6 @@
-"""Incremental detokenization and stop strings, on a byte-level tokenizer where one character can
-span several tokens (no downloads)."""
+"""Detokenization and stop strings in the core's ``update()``, checked against transformers'
+``decode`` on a byte-level BPE tokenizer (GPT-2 / Qwen style) and a SentencePiece-style one with
+byte fallback (Llama-2 style), where one character can span several tokens (no downloads)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from tiny_models import build
 
-from ferryman.detokenizer import IncrementalDetokenizer
+from ferryman._core import InvalidRequestError, Scheduler, SchedulerConfig
 from ferryman.engine import Engine
 from ferryman.sampling_params import SamplingParams
 
@@ -21,31 +23,111 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(model_dir: Path) -> Any:
+def byte_level(model_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    return AutoTokenizer.from_pretrained(str(model_dir), clean_up_tokenization_spaces=False)
 
 
-def deltas(tokenizer: Any, ids: list[int]) -> list[str]:
-    d = IncrementalDetokenizer(tokenizer)
-    return [d.step(ids[:i], final=i == len(ids)) for i in range(1, len(ids) + 1)]
+@pytest.fixture(scope="module")
+def sentencepiece() -> Any:
+    """Llama-2's decoder pipeline: "▁" for spaces, <0xNN> byte tokens, a leading space stripped."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for piece in ["▁", "h", "e", "l", "o", "w", "r", "d", "▁the", "▁a", "ll", "é", "東"]:
+        vocab[piece] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", clean_up_tokenization_spaces=False
+    )
+    return fast
 
 
-def test_multibyte_character_is_emitted_once_complete(tokenizer: Any) -> None:
-    ids = tokenizer.encode("a€b", add_special_tokens=False)
+def run(tokenizer: Any, ids: list[int], stop: list[str] | None = None) -> tuple[list[str], str, str, list[int]]:
+    """Feeds ``ids`` one per step to a request of a bare scheduler: its deltas, final text,
+    finish reason and output tokens."""
+    s = Scheduler(SchedulerConfig(block_size=16, num_device_blocks=64, max_num_seqs=4, max_model_len=1024))
+    s.set_tokenizer(tokenizer.backend_tokenizer.to_str())
+    s.add_request(0, [1], len(ids), ignore_eos=True, detokenize=True, stop=stop or [])
+    deltas = []
+    for t in ids:
+        s.schedule()
+        res = s.update(np.array([t], np.int32))
+        deltas.append(res.deltas[0])
+        if res.finish_reasons[0] is not None:
+            assert res.finished_rows.tolist() == [0]
+            return deltas, res.output_texts[0], res.finish_reasons[0], res.output_token_ids.tolist()
+    raise AssertionError("the request did not finish at max_tokens")
+
+
+def reference(tokenizer: Any, ids: list[int], stop: list[str]) -> tuple[str, int]:
+    """transformers' text of ``ids`` cut at the first stop string to appear as tokens arrive,
+    and the tokens it took."""
+    for i in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:i], skip_special_tokens=True)
+        hits = [text.find(s) for s in stop if s in text]
+        if hits:
+            return text[: min(hits)], i
+    return tokenizer.decode(ids, skip_special_tokens=True), len(ids)
+
+
+def test_multibyte_character_is_emitted_once_complete(byte_level: Any) -> None:
+    ids = byte_level.encode("a€b", add_special_tokens=False)
     assert len(ids) == 5  # 'a', three bytes of '€', 'b'
-    assert deltas(tokenizer, ids) == ["a", "", "", "€", "b"]
+    assert run(byte_level, ids)[0] == ["a", "", "", "€", "b"]
 
 
-def test_deltas_concatenate_to_the_full_decode(tokenizer: Any) -> None:
+@pytest.mark.parametrize("kind", ["byte_level", "sentencepiece"])
+def test_deltas_concatenate_to_transformers_decode(kind: str, request: pytest.FixtureRequest) -> None:
+    tok = request.getfixturevalue(kind)
     rng = random.Random(0)
-    text = "naïve café — 東京 🚀 done"
-    real = tokenizer.encode(text, add_special_tokens=False)
-    assert "".join(deltas(tokenizer, real)) == text
-    for _ in range(300):  # random bytes and specials: invalid UTF-8, cut characters, EOS mid-way
-        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 30))]
-        assert "".join(deltas(tokenizer, ids)) == tokenizer.decode(ids, skip_special_tokens=True)
+    text = "naïve café — 東京 🚀 the hello world"
+    real = tok.encode(text, add_special_tokens=False)
+    deltas, final, reason, out_ids = run(tok, real)
+    assert "".join(deltas) == final == tok.decode(real, skip_special_tokens=True)
+    assert (reason, out_ids) == ("length", real)
+    for _ in range(200):  # random ids: invalid UTF-8, cut characters, specials mid-way
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 30))]
+        deltas, final, _, _ = run(tok, ids)
+        assert "".join(deltas) == final == tok.decode(ids, skip_special_tokens=True), ids
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "sentencepiece"])
+def test_stop_strings_cut_where_transformers_text_first_shows_one(kind: str, request: pytest.FixtureRequest) -> None:
+    tok = request.getfixturevalue(kind)
+    rng = random.Random(1)
+    text = "the hello world, hello é東 the end"
+    ids = tok.encode(text, add_special_tokens=False)
+    for stop in (["llo w"], ["東 t", "d,"], ["é東"], ["o"], ["end", "the e"], ["absent"]):
+        deltas, final, reason, out_ids = run(tok, ids, stop)
+        want, n = reference(tok, ids, stop)
+        assert final == want and "".join(deltas) == final, stop
+        assert out_ids == ids[:n]
+        assert reason == ("stop" if n < len(ids) or any(s in tok.decode(ids) for s in stop) else "length")
+    for _ in range(100):  # a stream never releases text a later stop string cuts
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 25))]
+        stop = [tok.decode(ids[i : i + 2], skip_special_tokens=True) for i in (rng.randrange(len(ids)),)]
+        stop = [s for s in stop if s] or ["zz"]
+        deltas, final, _, out_ids = run(tok, ids, stop)
+        assert "".join(deltas) == final == reference(tok, ids, stop)[0], (ids, stop)
+
+
+def test_stop_strings_need_text(byte_level: Any) -> None:
+    s = Scheduler(SchedulerConfig(block_size=16, num_device_blocks=8, max_model_len=64))
+    with pytest.raises(InvalidRequestError, match="tokenizer"):
+        s.add_request(0, [1], 4, detokenize=True)
+    with pytest.raises(InvalidRequestError, match="detokenize"):
+        s.add_request(0, [1], 4, stop=["x"])
+    s.set_tokenizer(byte_level.backend_tokenizer.to_str())
+    with pytest.raises(InvalidRequestError, match="empty"):
+        s.add_request(0, [1], 4, detokenize=True, stop=[""])
 
 
 def test_stop_string_spanning_tokens_cuts_the_text(model_dir: Path) -> None:
@@ -62,3 +144,24 @@ def test_stop_string_spanning_tokens_cuts_the_text(model_dir: Path) -> None:
     assert out.token_ids == free.outputs[0].token_ids[: len(out.token_ids)]
     assert len(out.token_ids) < 24
     assert eng.stats()["num_free_device_blocks"] == 64  # every block free again
+
+
+@pytest.mark.parametrize("kind", ["cumulative", "delta"])
+def test_streamed_outputs_add_up_to_the_final_one(model_dir: Path, kind: str) -> None:
+    eng = Engine(str(model_dir), block_size=4, num_device_blocks=64, num_host_blocks=0, calibrate=False)
+    p = SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=20, ignore_eos=True, stop=["e"])
+    want = eng.generate(["Hello"], p)[0]
+    eng.add_request("r", "Hello", SamplingParams(**{**p.__dict__, "output_kind": kind}))  # type: ignore[arg-type]
+    texts, toks, reasons = ["", ""], [[], []], [None, None]
+    while eng.has_unfinished_requests():
+        for ro in eng.step().outputs:
+            for o in ro.outputs:
+                if kind == "delta":
+                    texts[o.index] += o.text
+                    toks[o.index] += o.token_ids
+                else:
+                    texts[o.index], toks[o.index] = o.text, list(o.token_ids)
+                reasons[o.index] = o.finish_reason
+    assert texts == [o.text for o in want.outputs]
+    assert toks == [o.token_ids for o in want.outputs]
+    assert reasons == [o.finish_reason for o in want.outputs]

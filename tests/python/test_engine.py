@@ -4,6 +4,8 @@ depend on the batch."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 import pytest
@@ -68,7 +70,14 @@ def test_forced_preemption_gives_identical_greedy_output(models: dict[str, Path]
         max_num_batched_tokens=16,
         preemption_mode=mode,
     )
-    got = [[c.token_ids for c in o.outputs] for o in tight.generate(prompts, params)]
+    for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+        tight.add_request(str(i), prompt, dataclasses.replace(sp, output_kind="final_only"))
+    done, events = {}, []
+    while tight.has_unfinished_requests():
+        res = tight.step()
+        done.update({o.request_id: o for o in res.outputs})
+        events += res.preemptions
+    got = [[c.token_ids for c in done[str(i)].outputs] for i in range(len(prompts))]
     assert got == want
     assert want[2][0] == want[2][1], "greedy forks of one request agree"
     st = tight.stats()
@@ -77,7 +86,8 @@ def test_forced_preemption_gives_identical_greedy_output(models: dict[str, Path]
         assert st["num_preemptions_swap"] > 0
     assert st["prefix_cache_hits"] > 0
     assert st["num_free_device_blocks"] == 24 and st["num_free_host_blocks"] == 32
-    assert len(st["events"]) == st["num_preemptions"]
+    assert len(events) == st["num_preemptions"]
+    assert {e.mode for e in events} <= {"recompute", "swap"} and all(e.request_id in done for e in events)
     assert not tight.has_unfinished_requests()
 
 

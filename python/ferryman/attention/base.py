@@ -1,6 +1,8 @@
 """What every attention backend offers the model and the runner, and the one K/V write they share.
 
-``AttentionBackend`` is the protocol: ``plan(out)`` once per step, before the forward;
+``StepInputs`` is what a step's forward reads (the runner builds it from the scheduler's output and
+its block table, ``worker/block_table.py``). ``AttentionBackend`` is the protocol: ``plan(step)``
+once per step, before the forward;
 ``forward(layer, q, k, v)`` per layer, which writes the step's K/V of that layer (``write_kv``)
 and then attends over each request's blocks, the new K/V included.
 
@@ -14,15 +16,35 @@ are tensor ops without a host sync, so a CUDA graph can capture them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
-from ferryman._core import SchedulerOutput
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """What one step's forward and attention read: the core's per-row arrays and the per-token
+    arrays derived here (B rows, T tokens)."""
+
+    input_ids: np.ndarray  # int32 [T]
+    positions: np.ndarray  # int64 [T]
+    slot_mapping: np.ndarray  # int64 [T]: block * block_size + offset of each token's K/V
+    qo_indptr: np.ndarray  # int32 [B+1]
+    seq_lens: np.ndarray  # int32 [B]
+    kv_indptr: np.ndarray  # int32 [B+1]
+    kv_indices: np.ndarray  # int32 [kv_indptr[-1]]: each row's blocks, row after row
+    kv_last_page_len: np.ndarray  # int32 [B]
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return len(self.input_ids)
 
 
 class AttentionBackend(Protocol):
-    def plan(self, out: SchedulerOutput) -> None:
+    def plan(self, out: StepInputs) -> None:
         """Prepares the step's metadata (page tables, slots) from the scheduler's arrays."""
         ...
 

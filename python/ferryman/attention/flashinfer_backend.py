@@ -23,8 +23,7 @@ from typing import Any
 
 import torch
 
-from ferryman._core import SchedulerOutput
-from ferryman.attention.base import KvWriter
+from ferryman.attention.base import KvWriter, StepInputs
 
 WORKSPACE_BYTES = 256 << 20  # vLLM's size; shared by the two wrappers, which never overlap
 
@@ -38,7 +37,7 @@ class PlanMetadata:
     decode_only: bool
 
 
-def plan_metadata(out: SchedulerOutput, pin: bool = False) -> PlanMetadata:
+def plan_metadata(out: StepInputs, pin: bool = False) -> PlanMetadata:
     """FlashInfer's CSR page table for one step, straight from the core's int32 arrays."""
 
     def host(a: Any) -> torch.Tensor:
@@ -116,7 +115,7 @@ class FlashInferBackend:
         self._wrapper: Any = self._decode
         self.writer = KvWriter(block_size, device)
 
-    def plan(self, out: SchedulerOutput) -> None:
+    def plan(self, out: StepInputs) -> None:
         m = plan_metadata(out, pin=True)
         slots = torch.from_numpy(out.slot_mapping).pin_memory().to(self.device, non_blocking=True)
         self.writer.map(slots)

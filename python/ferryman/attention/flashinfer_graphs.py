@@ -33,8 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ferryman._core import SchedulerOutput
-from ferryman.attention.base import AttentionBackend, KvWriter
+from ferryman.attention.base import AttentionBackend, KvWriter, StepInputs
 from ferryman.attention.flashinfer_backend import FlashInferBackend, PlanArgs, run_planned
 
 MAX_CAPTURE_SIZE = 256
@@ -108,7 +107,7 @@ class _GraphAttention:
         self.size = int(inputs.shape[1])
         self.writer = KvWriter(args.block_size, inputs.device)
 
-    def plan(self, out: SchedulerOutput) -> None:
+    def plan(self, out: StepInputs) -> None:
         self.stage(pad_decode(out, self.size))
 
     def stage(self, p: PaddedDecode) -> None:
@@ -173,7 +172,7 @@ class DecodeGraphs:
             self._graphs[size] = (graph, attn, hidden)
         torch.cuda.synchronize(dev)
 
-    def run(self, out: SchedulerOutput) -> torch.Tensor | None:
+    def run(self, out: StepInputs) -> torch.Tensor | None:
         """Hidden states ``[B, hidden]`` of a decode-only step, or None when no graph fits."""
         rows = len(out.kv_indptr) - 1
         size = graph_size(self.sizes, rows)

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ferryman._core import SchedulerOutput
-from ferryman.attention.base import KvWriter
+from ferryman.attention.base import KvWriter, StepInputs
 
 DECODE_GROUP = 8
 
@@ -48,7 +47,7 @@ class TorchAttentionBackend:
         self._rows: list[tuple[int, int, torch.Tensor, int]] = []
         self._groups: list[_DecodeGroup] = []
 
-    def plan(self, out: SchedulerOutput) -> None:
+    def plan(self, out: StepInputs) -> None:
         device = self.device
         self.writer.map(torch.from_numpy(out.slot_mapping).to(device))
         qo, kvp = out.qo_indptr.tolist(), out.kv_indptr.tolist()

@@ -4,11 +4,11 @@ interactive conversation through the model's chat template)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from ferryman.detokenizer import releasable
 from ferryman.engine_args import EngineArgs, add_cli_args, from_cli
 from ferryman.sampling_params import SamplingParams
 
@@ -79,17 +79,14 @@ def run_generate(a: argparse.Namespace) -> int:
 
 
 def stream(engine: Engine, prompt: str, params: SamplingParams) -> Iterator[str]:
-    """Yields the text of one request as the engine steps, holding back a possible stop string."""
+    """Yields the text of one request as the engine steps (the core holds back a possible stop
+    string until it is decided)."""
     rid = f"cli-{id(prompt)}"
-    engine.add_request(rid, prompt, params)
-    sent = 0
+    engine.add_request(rid, prompt, dataclasses.replace(params, output_kind="delta"))
     while engine.has_unfinished_requests():
-        for ro in engine.step():
-            o = ro.outputs[0]
-            end = releasable(o.text, sent, params.stop, ro.finished)
-            if end > sent:
-                yield o.text[sent:end]
-                sent = end
+        for ro in engine.step().outputs:
+            if ro.outputs and ro.outputs[0].text:
+                yield ro.outputs[0].text
             if ro.finished:
                 return
 

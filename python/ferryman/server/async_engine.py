@@ -6,21 +6,21 @@ to it through a command queue and receives ``Update`` objects, copies made on th
 through ``loop.call_soon_threadsafe``. A forward pass therefore never blocks the event loop
 (torch releases the GIL while it computes).
 
-Stop strings: text that might be the start of a stop string is held back until the next token
-decides it (``detokenizer.releasable``), so a stream never sends text the final result cuts.
+Every request runs with ``output_kind="delta"``: the core releases text only once no stop string
+can cut it, so each step's deltas go to the stream as they are.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
-from ferryman.detokenizer import releasable
 from ferryman.engine import Engine, Prompt
 from ferryman.outputs import RequestOutput
 from ferryman.sampling_params import SamplingParams
@@ -54,10 +54,8 @@ class EngineDeadError(RuntimeError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[Any]
-    stop: list[str]  # the request's stop strings (their possible starts are held back)
-    text_sent: list[int] = field(default_factory=list)
-    tokens_sent: list[int] = field(default_factory=list)
-    finish_sent: list[bool] = field(default_factory=list)
+    num_tokens: list[int]  # per sequence, sent so far
+    reasons: list[str | None]  # per sequence, its finish reason once sent
 
 
 _ACCEPTED = object()
@@ -124,9 +122,9 @@ class AsyncEngine:
                 "add",
                 request_id,
                 prompt,
-                params,
+                replace(params, output_kind="delta"),
                 arrival_time or time.monotonic(),
-                _Stream(loop, q, params.stop),
+                _Stream(loop, q, [0] * params.n, [None] * params.n),
             )
         )
         first = await q.get()
@@ -194,8 +192,6 @@ class AsyncEngine:
                 else:
                     with self._lock:
                         self._engine_waiting += 1
-                    n = params.n
-                    stream.text_sent, stream.tokens_sent, stream.finish_sent = [0] * n, [0] * n, [False] * n
                     self._streams[rid] = stream
                     if self.metrics is not None:
                         self.metrics.on_added(self.engine.num_prompt_tokens(rid))
@@ -210,49 +206,36 @@ class AsyncEngine:
 
     def _step(self) -> None:
         started = time.perf_counter()
-        outs = self.engine.step()
+        res = self.engine.step()
         step_s = time.perf_counter() - started
-        plan = self.engine.last_schedule
-        events = self.engine.scheduler.drain_events()
         new_tokens = 0
-        for ro in outs:
+        for ro in res.outputs:
             new_tokens += self._deliver(ro)
         stats = self.engine.scheduler.stats()
         with self._lock:
             self._engine_waiting = stats["num_waiting"]
-        if plan is None:
+        if res.stats is None:
             return
         if self.metrics is not None:
-            self.metrics.on_step(plan, events, stats, new_tokens, step_s)
+            self.metrics.on_step(res.stats, res.preemptions, stats, new_tokens, step_s)
         if self.trace is not None:
             cfg = self.engine.scheduler.config
-            self.trace.write(step_record(plan, cfg, events, time.monotonic() - self._t0, step_s))
-            for e in events:
-                self.trace.write({"type": "preemption", **e})
+            self.trace.write(step_record(res.stats, cfg, res.preemptions, time.monotonic() - self._t0, step_s))
+            for e in res.preemptions:
+                self.trace.write({"type": "preemption", **dataclasses.asdict(e)})
 
     def _deliver(self, ro: RequestOutput) -> int:
-        """Sends the new part of ``ro`` to its stream; returns the number of new tokens."""
+        """Sends ``ro``'s deltas to its stream; returns the number of new tokens."""
         s = self._streams.get(ro.request_id)
         if s is None:
             return 0
-        deltas, n_new = [], 0
-        for o in ro.outputs:
-            k = o.index
-            done = o.finish_reason is not None
-            end = releasable(o.text, s.text_sent[k], s.stop, done)
-            toks = o.token_ids[s.tokens_sent[k] :]
-            if end == s.text_sent[k] and not toks and done == s.finish_sent[k]:
-                continue
-            lps = None if o.logprobs is None else o.logprobs[s.tokens_sent[k] :]
-            deltas.append(Delta(k, o.text[s.text_sent[k] : end], list(toks), lps, o.finish_reason))
-            n_new += len(toks)
-            s.text_sent[k], s.tokens_sent[k], s.finish_sent[k] = end, len(o.token_ids), done
+        deltas = [Delta(o.index, o.text, o.token_ids, o.logprobs, o.finish_reason) for o in ro.outputs]
+        for d in deltas:
+            s.num_tokens[d.index] += len(d.token_ids)
+            s.reasons[d.index] = d.finish_reason
         if ro.finished:
             del self._streams[ro.request_id]
             if self.metrics is not None:
-                self.metrics.on_finished(ro)
-        if deltas or ro.finished:
-            s.loop.call_soon_threadsafe(
-                s.queue.put_nowait, Update(deltas, ro.finished, len(ro.prompt_token_ids))
-            )
-        return n_new
+                self.metrics.on_finished(ro.metrics, s.reasons, max(s.num_tokens))
+        s.loop.call_soon_threadsafe(s.queue.put_nowait, Update(deltas, ro.finished, len(ro.prompt_token_ids)))
+        return sum(len(d.token_ids) for d in deltas)

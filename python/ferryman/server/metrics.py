@@ -11,8 +11,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ferryman._core import SchedulerConfig, SchedulerOutput
-from ferryman.outputs import RequestOutput
+from ferryman._core import SchedulerConfig
+from ferryman.outputs import PreemptionEvent, RequestMetrics, StepStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _FAST_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
@@ -87,8 +87,8 @@ class Metrics:
 
     def on_step(
         self,
-        plan: SchedulerOutput,
-        events: list[dict[str, Any]],
+        plan: StepStats,
+        events: list[PreemptionEvent],
         stats: dict[str, int],
         new_tokens: int,
         step_s: float,
@@ -97,8 +97,8 @@ class Metrics:
         self.set_state(stats)
         self.budget_util.observe(plan.num_scheduled_tokens / cfg.max_num_batched_tokens)
         for e in events:
-            self.preemptions.labels(mode=e["mode"], reason=e["reason"]).inc()
-        out, inn = len(plan.blocks_to_swap_out), len(plan.blocks_to_swap_in)
+            self.preemptions.labels(mode=e.mode, reason=e.reason).inc()
+        out, inn = plan.num_blocks_swapped_out, plan.num_blocks_swapped_in
         if out:
             self.swapped_out.inc(out)
             self.swap_bytes.labels(direction="out").inc(out * cfg.bytes_per_block)
@@ -126,10 +126,11 @@ class Metrics:
         self.device_usage.set(1 - stats["num_free_device_blocks"] / max(1, cfg.num_device_blocks))
         self.host_usage.set(1 - stats["num_free_host_blocks"] / max(1, cfg.num_host_blocks))
 
-    def on_finished(self, out: RequestOutput) -> None:
-        for o in out.outputs:
-            self.requests_finished.labels(reason=o.finish_reason or "abort").inc()
-        m = out.metrics
+    def on_finished(self, m: RequestMetrics | None, reasons: list[str | None], num_tokens: int) -> None:
+        """A finished request: its metrics, each sequence's finish reason, and the output tokens
+        of its longest sequence."""
+        for r in reasons:
+            self.requests_finished.labels(reason=r or "abort").inc()
         if m is None or m.finished_time is None:
             return
         self.e2e.observe(m.finished_time - m.arrival_time)
@@ -137,9 +138,8 @@ class Metrics:
             self.queue.observe(m.first_scheduled_time - m.arrival_time)
         if m.first_token_time is not None:
             self.ttft.observe(m.first_token_time - m.arrival_time)
-            n = max(len(o.token_ids) for o in out.outputs)
-            if n > 1:
-                self.tpot.observe((m.finished_time - m.first_token_time) / (n - 1))
+            if num_tokens > 1:
+                self.tpot.observe((m.finished_time - m.first_token_time) / (num_tokens - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -23,6 +23,7 @@ import numpy as np
 
 from ferryman._core import Scheduler
 from ferryman.engine_args import SchedulerArgs, at_least, in_unit_interval, knob
+from ferryman.outputs import PreemptionEvent, StepStats
 from ferryman.sim.cost import Roofline
 from ferryman.sim.presets import GpuSpec, ModelShape
 from ferryman.sim.workload import Workload
@@ -172,11 +173,12 @@ def simulate(
         res = sched.update(tokens[: len(plan.logits_indices)])
         step_ids.append(res.req_ids)
         step_clock.append(clock)
-        events = sched.drain_events()
+        raw = sched.drain_events()  # drained every step, so none pile up in the core
         if trace is not None:
-            trace.write(step_record(plan, sched.config, events, clock, dt))
+            events = [PreemptionEvent(**e) for e in raw]
+            trace.write(step_record(StepStats.of(plan, len(res)), sched.config, events, clock, dt))
             for e in events:
-                trace.write({"type": "preemption", **e})
+                trace.write({"type": "preemption", **asdict(e)})
     first, done, itl = _token_times(step_ids, step_clock, n)
     wall = time.perf_counter() - started
     st = sched.stats()

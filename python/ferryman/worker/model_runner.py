@@ -1,6 +1,8 @@
 """ModelRunner: one step's tensors in, logits of the rows to sample out.
 
-Order within a step: the swap/copy plans, then the attention plan, then the forward, then the
+Order within a step: the persistent batch's block-table changes (``worker/block_table.py``, which
+also derives the step's positions, slots and page indices), the swap/copy plans, then the
+attention plan, then the forward, then the
 logits of ``logits_indices`` (a row repeats for n > 1). With FlashInfer and without
 ``enforce_eager``, a decode-only step that fits a captured batch size replays a CUDA graph
 (``attention/flashinfer_graphs.py``) instead of the eager plan + forward."""
@@ -15,6 +17,7 @@ from ferryman.attention.flashinfer_backend import FlashInferBackend
 from ferryman.attention.flashinfer_graphs import DecodeGraphs, capture_sizes
 from ferryman.attention.selector import select_backend
 from ferryman.models.llama import LlamaForCausalLM
+from ferryman.worker.block_table import BlockTable
 from ferryman.worker.kv_cache import KvCache
 
 
@@ -52,23 +55,25 @@ class ModelRunner:
         self.attention_backend = "torch" if fi is None else "flashinfer"
         self.graphs: DecodeGraphs | None = None  # where CUDA graphs are on
         self.num_graph_steps = 0
+        pages = -(-max_model_len // block_size)
+        self.block_table = BlockTable(max_num_seqs, pages, block_size, pin=device.type == "cuda")
         if fi is not None and not enforce_eager:
-            pages = -(-max_model_len // block_size)
             self.graphs = DecodeGraphs(fi, model, capture_sizes(max_num_seqs), pages)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """float32 logits ``[S, vocab]``, S = len(out.logits_indices)."""
-        self.kv.run_plans(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy, out.slot_mapping)
+        step = self.block_table.step(out)
+        self.kv.run_plans(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy, step.slot_mapping)
         if out.num_scheduled_tokens == 0:
             return torch.empty((0, self.model.cfg.vocab_size), dtype=torch.float32)
-        hidden = self.graphs.run(out) if self.graphs is not None else None
+        hidden = self.graphs.run(step) if self.graphs is not None else None
         if hidden is not None:
             self.num_graph_steps += 1
         else:
-            self.attn.plan(out)
-            input_ids = torch.from_numpy(out.input_ids).to(self.device, torch.long)
-            positions = torch.from_numpy(out.positions).to(self.device)
+            self.attn.plan(step)
+            input_ids = torch.from_numpy(step.input_ids).to(self.device, torch.long)
+            positions = torch.from_numpy(step.positions).to(self.device)
             hidden = self.model(input_ids, positions, self.attn)
         rows = hidden[torch.from_numpy(out.logits_indices).to(self.device)]
         return self.model.compute_logits(rows)

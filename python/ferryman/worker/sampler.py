@@ -7,7 +7,13 @@ its own seed and position — never on the batch it ran in or on other requests.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from ferryman.sampling_params import SamplingParams
 
 _M52 = (1 << 52) - 1
 _M35 = (1 << 35) - 1
@@ -82,3 +88,56 @@ def gather_logprobs(
         d[int(tokens[i])] = float(chosen[j])
         out[i] = d
     return out
+
+
+class SamplingTable:
+    """Every live request's sampling parameters as numpy columns, indexed by its core id (a
+    small integer the engine reuses), so one step's parameters are one gather per column rather
+    than tensors built from Python lists; and counts that let an all-greedy step skip them."""
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.temperature = np.zeros(capacity, np.float32)
+        self.top_k = np.full(capacity, -1, np.int64)
+        self.top_p = np.ones(capacity, np.float32)
+        self.min_p = np.zeros(capacity, np.float32)
+        self.seed = np.zeros(capacity, np.int64)
+        self.logprobs = np.full(capacity, -1, np.int64)
+        self.num_random = 0  # live requests with temperature > 0
+        self.num_logprobs = 0  # live requests that want logprobs
+
+    def set(self, i: int, p: SamplingParams, seed: int) -> None:
+        if i >= len(self.seed):
+            for name in ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs"):
+                col = getattr(self, name)
+                setattr(self, name, np.concatenate([col, np.zeros(max(i + 1, 2 * len(col)) - len(col), col.dtype)]))
+        self.temperature[i], self.top_k[i], self.top_p[i], self.min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+        self.seed[i] = seed
+        self.logprobs[i] = -1 if p.logprobs is None else p.logprobs
+        self.num_random += p.temperature > 0
+        self.num_logprobs += p.logprobs is not None
+
+    def clear(self, i: int) -> None:
+        self.num_random -= bool(self.temperature[i] > 0)
+        self.num_logprobs -= bool(self.logprobs[i] >= 0)
+        self.temperature[i], self.logprobs[i] = 0.0, -1
+
+    def sample(
+        self, logits: torch.Tensor, ids: np.ndarray, seq_indices: np.ndarray, positions: np.ndarray
+    ) -> tuple[torch.Tensor, list[dict[int, float] | None] | None]:
+        """One token per row of ``logits`` for requests ``ids`` (forks ``seq_indices``, sampling
+        the token at ``positions``), and the rows' logprobs when any live request wants them."""
+        if self.num_random == 0:
+            tokens = logits.argmax(dim=-1).to(torch.int32)
+        else:
+            dev = logits.device
+            seeds = self.seed[ids] + 1000003 * seq_indices.astype(np.int64)
+            tokens = sample(
+                logits,
+                *(torch.from_numpy(c[ids]).to(dev) for c in (self.temperature, self.top_k, self.top_p, self.min_p)),
+                torch.from_numpy(seeds).to(dev),
+                torch.from_numpy(positions.astype(np.int64)).to(dev),
+            )
+        if self.num_logprobs == 0:
+            return tokens, None
+        wanted = [None if n < 0 else n for n in self.logprobs[ids].tolist()]
+        return tokens, gather_logprobs(logits, tokens, wanted)

@@ -1,10 +1,11 @@
 //! How close the core's decode step is to the floor the contract sets, side by side in one run.
 //!
-//! For every running decode row, any `schedule()` + `update()` that honours the contract must
-//! write the row's entries of `req_ids`, `input_ids`, `positions`, `qo_indptr`, `seq_lens`,
-//! `slot_mapping`, `kv_indptr`, `kv_last_page_len`, `logits_indices`, copy its whole block
-//! table into `kv_indices`, and then append the sampled token, taking a new block every
-//! `block_size` tokens. The "floor" below does only that, with the cheapest layout we know
+//! For every running decode row, any `schedule()` + `update()` that honours the contract (v2:
+//! the persistent batch) must write the row's entries of `req_ids`, `rows`, `input_ids`,
+//! `qo_indptr`, `seq_lens`, `kv_indptr`, `kv_last_page_len`, `logits_indices` and the sample
+//! ids, send a block-table entry every `block_size` tokens, and then append the sampled token
+//! and report it, taking a new block every `block_size` tokens. The runner holds the block
+//! tables, so no row's table is copied. The "floor" below does only that, with the cheapest layout we know
 //! (dense per-row scalars, block tables at a fixed stride in one arena) and no policy, no prefix
 //! cache, no stop checks and no binding. The same rows then run through the core, with prefix
 //! caching on (the default) and off. The three alternate for `rounds` rounds; prints the median
@@ -46,32 +47,35 @@ fn floor(rows: usize, steps: usize) -> f64 {
     }
     let started = Instant::now();
     for _ in 0..steps {
-        let nnz = num_blocks.iter().sum();
-        let (mut req_ids, mut input_ids, mut positions) =
-            (Vec::with_capacity(rows), Vec::with_capacity(rows), Vec::with_capacity(rows));
-        let (mut qo_indptr, mut seq_lens, mut slot_mapping) =
-            (Vec::with_capacity(rows + 1), Vec::with_capacity(rows), Vec::with_capacity(rows));
-        let (mut kv_indptr, mut kv_indices, mut kv_last_page_len) =
-            (Vec::with_capacity(rows + 1), Vec::with_capacity(nnz), Vec::with_capacity(rows));
-        let mut logits_indices = Vec::with_capacity(rows);
+        let v = |n: usize| Vec::<i32>::with_capacity(n);
+        let (mut req_ids, mut row_ids, mut input_ids) = (Vec::<i64>::with_capacity(rows), v(rows), v(rows));
+        let (mut qo_indptr, mut seq_lens, mut kv_indptr, mut kv_last_page_len) =
+            (v(rows + 1), v(rows), v(rows + 1), v(rows));
+        let (mut logits_indices, mut sample_ids) = (Vec::<i64>::with_capacity(rows), Vec::<i64>::with_capacity(rows));
+        let (mut table_rows, mut table_cols, mut table_blocks) = (v(rows), v(rows), v(rows));
         qo_indptr.push(0i32);
         kv_indptr.push(0i32);
+        let mut pages = 0;
         for r in 0..rows {
             let (p, n) = (pos[r], num_blocks[r]);
-            let table = &tables[r * stride..r * stride + n];
             req_ids.push(r as i64);
+            row_ids.push(r as i32);
             input_ids.push(last[r]);
-            positions.push(p as i64);
             qo_indptr.push(r as i32 + 1);
             seq_lens.push(p as i32 + 1);
-            slot_mapping.push(table[p / BLOCK_SIZE] as i64 * BLOCK_SIZE as i64 + (p % BLOCK_SIZE) as i64);
-            kv_indices.extend_from_slice(table);
-            kv_indptr.push(kv_indices.len() as i32);
+            pages += n;
+            kv_indptr.push(pages as i32);
             kv_last_page_len.push((p + 1 - (n - 1) * BLOCK_SIZE) as i32);
             logits_indices.push(r as i64);
+            sample_ids.push(r as i64);
+            if p % BLOCK_SIZE == 0 {
+                table_rows.push(r as i32);
+                table_cols.push(n as i32 - 1);
+                table_blocks.push(tables[r * stride + n - 1]);
+            }
         }
-        black_box((&req_ids, &input_ids, &positions, &qo_indptr, &seq_lens, &slot_mapping));
-        black_box((&kv_indptr, &kv_indices, &kv_last_page_len, &logits_indices));
+        black_box((&req_ids, &row_ids, &input_ids, &qo_indptr, &seq_lens, &kv_indptr, &kv_last_page_len));
+        black_box((&logits_indices, &sample_ids, &table_rows, &table_cols, &table_blocks));
         let sampled: Vec<i32> = black_box(vec![7; rows]);
         let mut new_token_ids = Vec::with_capacity(rows);
         for r in 0..rows {

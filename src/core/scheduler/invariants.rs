@@ -16,6 +16,8 @@ impl Scheduler {
         let kv = &self.kv;
         kv.check()?;
         let mut num_live = 0;
+        let mut num_rows = 0;
+        self.batch.check()?;
         for (idx, req) in self.reqs.iter() {
             let (table, host_table) = (kv.table(idx), kv.host_table(idx));
             let Some(r) = req else {
@@ -54,9 +56,21 @@ impl Scheduler {
                     }
                 }
             }
+            if let Some(row) = r.row {
+                if r.status != RequestStatus::Running || self.batch.holder(row) != Some(idx) {
+                    return Err(format!("{id} holds batch row {row} but is not running in it"));
+                }
+                if self.batch.sent(row) > table.len() {
+                    return Err(format!("{id}'s row was sent more blocks than its table has"));
+                }
+                num_rows += 1;
+            }
             if !self.reqs.indices(r.req_id).is_some_and(|v| v.contains(&idx)) {
                 return Err(format!("{id} is not indexed by its req_id"));
             }
+        }
+        if num_rows != self.batch.num_held() {
+            return Err(format!("{num_rows} sequences hold batch rows, the batch counts {}", self.batch.num_held()));
         }
         let (num_waiting, num_running, num_swapped) = self.queues.lens();
         if num_live != num_waiting + num_running + num_swapped {

@@ -138,6 +138,9 @@ impl Scheduler {
         let free_before = self.kv.num_free();
         let r = self.reqs.get_mut(idx);
         r.num_preemptions += 1;
+        if let Some(row) = r.row.take() {
+            self.batch.release(row);
+        }
         match mode {
             PreemptionMode::Recompute => {
                 self.kv.free(idx);

@@ -1,13 +1,16 @@
 //! The two halves of a step that touch every scheduled request: turning a `StepPlan` into the
 //! flat arrays of `SchedulerOutput` (`build_output`), and applying the sampled tokens
 //! (`update`): advancing `num_computed_tokens`, registering newly full blocks in the prefix
-//! cache, forking `n > 1` requests, appending tokens and checking stop conditions.
+//! cache, forking `n > 1` requests, appending tokens, detokenizing them and checking stop
+//! conditions (token ids, lengths, stop strings).
 //!
 //! Between the two, the `PendingStep` (owned here) remembers the scheduled requests and the
 //! sample rows, by `ReqIdx`; a request finished meanwhile keeps its index until `update()`.
 //!
-//! Hot path: one pass over the scheduled requests each way; block tables are copied into
-//! `kv_indices` with one slice extend per request.
+//! Hot path: one pass over the scheduled requests each way, O(1) per row plus the tokens of
+//! prompt chunks and the block-table entries the runner does not hold yet (a taken row's whole
+//! table, else a block now and then): the runner keeps each row's table (`batch.rs`) and derives
+//! positions, slots and page lists from it.
 
 use super::{Scheduled, Scheduler, StepPlan};
 use crate::arena::ReqIdx;
@@ -32,23 +35,22 @@ pub(super) struct PendingStep {
 }
 
 impl Scheduler {
-    /// Lays out the plan as FlashInfer-ready arrays and remembers it for `update()`.
+    /// Lays out the plan as arrays (rows, their counts and the batch's changes) and remembers it
+    /// for `update()`.
     pub(super) fn build_output(&mut self, plan: StepPlan) -> SchedulerOutput {
         let bs = self.cfg.block_size;
-        let (shift, mask) = (bs.trailing_zeros(), bs - 1); // a position's block and offset
+        let shift = bs.trailing_zeros(); // a position's block
         let b = plan.scheduled.len();
         let t = self.cfg.max_num_batched_tokens - plan.budget;
         let mut o = SchedulerOutput {
             req_ids: Vec::with_capacity(b),
+            rows: Vec::with_capacity(b),
             seq_indices: Vec::with_capacity(b),
             input_ids: Vec::with_capacity(t),
-            positions: Vec::with_capacity(t),
             qo_indptr: Vec::with_capacity(b + 1),
             seq_lens: Vec::with_capacity(b),
             kv_indptr: Vec::with_capacity(b + 1),
-            kv_indices: Vec::with_capacity(plan.scheduled.iter().map(|s| self.kv.table(s.req_idx).len()).sum()),
             kv_last_page_len: Vec::with_capacity(b),
-            slot_mapping: Vec::with_capacity(t),
             logits_indices: Vec::with_capacity(b),
             sample_req_ids: Vec::with_capacity(b),
             sample_seq_indices: Vec::with_capacity(b),
@@ -57,11 +59,34 @@ impl Scheduler {
         let mut samples = Vec::with_capacity(b);
         o.qo_indptr.push(0);
         o.kv_indptr.push(0);
+        let mut num_pages = 0;
         let mut num_prefill_tokens = 0;
         for s in &plan.scheduled {
-            let r = self.reqs.get(s.req_idx);
+            let r = self.reqs.get_mut(s.req_idx);
             let table = self.kv.table(s.req_idx);
             let (start, end) = (r.num_computed_tokens, r.num_computed_tokens + s.num_new);
+            let num_blocks = blocks_for(end, bs);
+            let row = match r.row {
+                Some(row) => row,
+                None => {
+                    let row = self.batch.take(s.req_idx);
+                    r.row = Some(row);
+                    o.rows_added.push(row as i32);
+                    o.added_req_ids.push(r.req_id as i64);
+                    o.added_seq_indices.push(r.seq_index as i32);
+                    row
+                }
+            };
+            let r = &*r;
+            // a copy-on-write replaced the entry of the block this step writes first
+            let sent = if s.cow.is_some() { self.batch.sent(row).min(start >> shift) } else { self.batch.sent(row) };
+            for (col, &block) in table.iter().enumerate().take(num_blocks).skip(sent) {
+                o.table_rows.push(row as i32);
+                o.table_cols.push(col as i32);
+                o.table_blocks.push(block);
+            }
+            self.batch.set_sent(row, sent.max(num_blocks));
+            o.rows.push(row as i32);
             o.req_ids.push(r.req_id as i64);
             o.seq_indices.push(r.seq_index as i32);
             if s.num_new == 1 {
@@ -69,19 +94,10 @@ impl Scheduler {
             } else {
                 o.input_ids.extend_from_slice(&r.token_ids[start..end]);
             }
-            append_range(&mut o.positions, &self.iota, start as i64, s.num_new);
-            let mut pos = start;
-            while pos < end {
-                let (blk, off) = (pos >> shift, pos & mask);
-                let run = (bs - off).min(end - pos);
-                append_range(&mut o.slot_mapping, &self.iota, table[blk] as i64 * bs as i64 + off as i64, run);
-                pos += run;
-            }
             o.qo_indptr.push(o.input_ids.len() as i32);
             o.seq_lens.push(end as i32);
-            let num_blocks = blocks_for(end, bs);
-            o.kv_indices.extend_from_slice(&table[..num_blocks]);
-            o.kv_indptr.push(o.kv_indices.len() as i32);
+            num_pages += num_blocks;
+            o.kv_indptr.push(num_pages as i32);
             o.kv_last_page_len.push((end - (num_blocks - 1) * bs) as i32);
             if let Some((src, dst)) = s.cow {
                 o.blocks_to_copy.push([src as i32, dst as i32]);
@@ -102,6 +118,7 @@ impl Scheduler {
                 num_prefill_tokens += s.num_new;
             }
         }
+        o.rows_removed = self.batch.take_removed();
         o.blocks_to_swap_out = plan.swap_out;
         o.blocks_to_swap_in = plan.swap_in;
         o.preempted_req_ids = plan.preempted;
@@ -146,36 +163,20 @@ impl Scheduler {
             self.advance(s.req_idx, s.num_new);
         }
         let n = pending.samples.len();
-        let mut out = StepOutputs {
-            req_ids: Vec::with_capacity(n),
-            seq_indices: Vec::with_capacity(n),
-            new_token_ids: Vec::with_capacity(n),
-            finish_reasons: Vec::with_capacity(n),
-        };
+        let mut out = StepOutputs::with_capacity(n);
         let mut i = 0;
         while i < n {
             let Sample { req_idx: idx, req_id, seq_index } = pending.samples[i];
             let alive = self.reqs.try_get(idx).is_some_and(|r| r.status == RequestStatus::Running);
-            let token = sampled_token_ids[i];
-            out.req_ids.push(req_id as i64);
-            out.new_token_ids.push(token);
             if !alive {
-                out.seq_indices.push(seq_index as i32);
-                out.finish_reasons.push(Some(FinishReason::Abort));
+                out.push_row(req_id, seq_index, sampled_token_ids[i], Some(FinishReason::Abort), 0);
                 i += 1;
             } else if self.reqs.get(idx).num_pending_forks == 1 {
-                out.seq_indices.push(seq_index as i32);
-                out.finish_reasons.push(self.append(idx, token as u32));
+                self.append(idx, sampled_token_ids[i] as u32, &mut out);
                 i += 1;
             } else {
-                out.req_ids.pop();
-                out.new_token_ids.pop();
-                for (k, target) in self.fork(idx).into_iter().enumerate() {
-                    let token = sampled_token_ids[i];
-                    out.req_ids.push(req_id as i64);
-                    out.seq_indices.push(k as i32);
-                    out.new_token_ids.push(token);
-                    out.finish_reasons.push(self.append(target, token as u32));
+                for target in self.fork(idx) {
+                    self.append(target, sampled_token_ids[i] as u32, &mut out);
                     i += 1;
                 }
             }
@@ -204,16 +205,33 @@ impl Scheduler {
         }
     }
 
-    /// Appends `token` to request `idx`; finishes it when a stop condition holds.
-    fn append(&mut self, idx: ReqIdx, token: u32) -> Option<FinishReason> {
-        let max_model_len = self.cfg.max_model_len;
+    /// Appends `token` to request `idx` as the next row of `out`, with its text; finishes the
+    /// request when a stop condition holds, and then adds its whole output to `out`.
+    fn append(&mut self, idx: ReqIdx, token: u32, out: &mut StepOutputs) {
         let r = self.reqs.get_mut(idx);
-        let finish = r.append_token(token, max_model_len);
+        let mut finish = r.append_token(token, self.cfg.max_model_len);
         self.counters.num_generated_tokens += 1;
+        if let (Some(text), Some(tok)) = (r.text.as_deref_mut(), self.tokenizer.as_ref()) {
+            // a stop token's own text is not part of the output (vLLM's rule)
+            if finish != Some(FinishReason::Stop) && text.push(tok, token).stopped() {
+                finish = Some(FinishReason::Stop);
+            }
+            if finish.is_some() {
+                text.finish(tok);
+            }
+            text.take_delta(&mut out.text);
+        }
+        out.push_row(r.req_id, r.seq_index, token as i32, finish, r.num_output_tokens());
         if let Some(reason) = finish {
+            out.finished_rows.push(out.req_ids.len() as u32 - 1);
+            out.output_token_ids.extend_from_slice(&r.token_ids[r.num_prompt_tokens..]);
+            out.output_token_offsets.push(out.output_token_ids.len() as u32);
+            if let Some(text) = &r.text {
+                out.output_text.extend_from_slice(text.text().as_bytes());
+            }
+            out.output_text_offsets.push(out.output_text.len() as u32);
             self.finish(idx, reason);
         }
-        finish
     }
 
     /// Forks an unforked parent whose prompt just completed into its `n` sequences; returns
@@ -225,7 +243,7 @@ impl Scheduler {
         let mut forks = Vec::with_capacity(n as usize);
         forks.push(parent);
         for k in 1..n {
-            let child = Request { seq_index: k, ..template.clone() };
+            let child = Request { seq_index: k, row: None, ..template.clone() };
             let idx = self.reqs.insert_fork(child);
             self.kv.ensure_tables(idx);
             self.kv.fork(parent, idx);
@@ -233,24 +251,5 @@ impl Scheduler {
             forks.push(idx);
         }
         forks
-    }
-}
-
-/// Appends `start, start + 1, .., start + n - 1` as a copy of `iota` (0, 1, 2, ..) plus a
-/// vectorized add, the cheapest safe way to fill a run.
-#[inline]
-fn append_range(dst: &mut Vec<i64>, iota: &[i64], start: i64, n: usize) {
-    if n == 1 {
-        dst.push(start); // a decode: no copy call for one element
-        return;
-    }
-    let at = dst.len();
-    if start >= 0 && (start as usize) + n <= iota.len() {
-        dst.extend_from_slice(&iota[start as usize..start as usize + n]);
-    } else {
-        dst.extend_from_slice(&iota[..n]);
-        for x in &mut dst[at..] {
-            *x += start;
-        }
     }
 }

@@ -63,6 +63,10 @@ struct Harness {
     seqs: BTreeMap<(i64, i32), Seq>,
     device: Vec<u64>,
     host: Vec<u64>,
+    /// The runner's view of the persistent batch: each row's sequence and block table, kept
+    /// only from the step outputs' changes.
+    row_seq: Vec<Option<(i64, i32)>>,
+    row_table: Vec<Vec<i32>>,
     next_id: u64,
     ops: usize,
 }
@@ -76,6 +80,8 @@ impl Harness {
             s: Scheduler::new(cfg.clone()).unwrap(),
             device: vec![0; (cfg.num_device_blocks + 1) * bs],
             host: vec![0; (cfg.num_host_blocks + 1) * bs],
+            row_seq: vec![None; cfg.max_num_seqs],
+            row_table: vec![vec![-1; cfg.blocks_for(cfg.max_model_len)]; cfg.max_num_seqs],
             cfg,
             seqs: BTreeMap::new(),
             next_id: 0,
@@ -100,6 +106,7 @@ impl Harness {
             stop_token_ids: if rng.chance(0.2) { vec![2] } else { vec![] },
             ignore_eos: rng.chance(0.2),
             n: if rng.chance(0.2) { rng.range(2, 3) as u32 } else { 1 },
+            text: None,
         };
         let id = self.next_id;
         self.next_id += 1;
@@ -128,10 +135,31 @@ impl Harness {
         (mix(mix(req as u64, k as u32), pos as u32) % (VOCAB + 1)) as u32
     }
 
+    /// Applies the step's batch changes to the runner's view: rows freed, rows taken, table
+    /// entries written; every scheduled sequence must then sit in its row.
+    fn apply_batch(&mut self, o: &SchedulerOutput) {
+        for &r in &o.rows_removed {
+            assert!(self.row_seq[r as usize].take().is_some(), "row {r} freed but not held");
+        }
+        for a in 0..o.rows_added.len() {
+            let r = o.rows_added[a] as usize;
+            assert!(self.row_seq[r].is_none(), "row {r} taken while held");
+            self.row_seq[r] = Some((o.added_req_ids[a], o.added_seq_indices[a]));
+            self.row_table[r].fill(-1);
+        }
+        for i in 0..o.table_rows.len() {
+            self.row_table[o.table_rows[i] as usize][o.table_cols[i] as usize] = o.table_blocks[i];
+        }
+        for b in 0..o.req_ids.len() {
+            assert_eq!(self.row_seq[o.rows[b] as usize], Some((o.req_ids[b], o.seq_indices[b])), "row of {b}");
+        }
+    }
+
     /// Runs the plans on the simulated KV, writes this step's tokens, and checks every row reads
-    /// back its own KV.
+    /// back its own KV through the runner's view of its block table.
     fn run_forward(&mut self, o: &SchedulerOutput) {
         let bs = self.cfg.block_size;
+        self.apply_batch(o);
         for &[d, h] in &o.blocks_to_swap_out {
             let (d, h) = (d as usize * bs, h as usize * bs);
             self.host[h..h + bs].copy_from_slice(&self.device[d..d + bs]);
@@ -146,20 +174,23 @@ impl Harness {
         }
         assert!(o.input_ids.len() <= self.cfg.max_num_batched_tokens);
         assert_eq!(*o.qo_indptr.last().unwrap() as usize, o.input_ids.len());
-        assert_eq!(*o.kv_indptr.last().unwrap() as usize, o.kv_indices.len());
         for b in 0..o.req_ids.len() {
             let seq = &self.seqs[&(o.req_ids[b], o.seq_indices[b])];
-            for i in o.qo_indptr[b] as usize..o.qo_indptr[b + 1] as usize {
-                let p = o.positions[i] as usize;
+            let table = &self.row_table[o.rows[b] as usize];
+            let (q0, q1, len) = (o.qo_indptr[b] as usize, o.qo_indptr[b + 1] as usize, o.seq_lens[b] as usize);
+            for i in q0..q1 {
+                let p = len - (q1 - i); // the row's tokens end at its new length
                 assert_eq!(o.input_ids[i] as u32, seq.tokens[p], "wrong input token");
-                self.device[o.slot_mapping[i] as usize] = seq.content[p];
+                self.device[table[p / bs] as usize * bs + p % bs] = seq.content[p];
             }
         }
         for b in 0..o.req_ids.len() {
             let seq = &self.seqs[&(o.req_ids[b], o.seq_indices[b])];
-            let table = &o.kv_indices[o.kv_indptr[b] as usize..o.kv_indptr[b + 1] as usize];
             let len = o.seq_lens[b] as usize;
-            assert_eq!(table.len(), len.div_ceil(bs));
+            let table = &self.row_table[o.rows[b] as usize][..len.div_ceil(bs)];
+            let held = self.s.block_table(o.req_ids[b] as u64, o.seq_indices[b] as u32).expect("scheduled");
+            assert!(table.iter().zip(&held).all(|(&a, &b)| a as u32 == b), "the runner's row table is stale");
+            assert_eq!((o.kv_indptr[b + 1] - o.kv_indptr[b]) as usize, table.len());
             assert_eq!(o.kv_last_page_len[b] as usize, len - (table.len() - 1) * bs);
             for p in 0..len {
                 let slot = table[p / bs] as usize * bs + p % bs;

@@ -24,7 +24,7 @@ fn one_request_from_prefill_to_length_finish() {
     assert_eq!(o.positions, vec![0, 1, 2, 3, 4]);
     assert_eq!(o.qo_indptr, vec![0, 5]);
     assert_eq!(o.seq_lens, vec![5]);
-    assert_eq!((o.kv_indptr, o.kv_indices, o.kv_last_page_len), (vec![0, 2], vec![1, 2], vec![1]));
+    assert_eq!((&o.kv_indptr, &o.kv_indices, &o.kv_last_page_len), (&vec![0, 2], &vec![1, 2], &vec![1]));
     assert_eq!(o.slot_mapping, vec![4, 5, 6, 7, 8]);
     assert_eq!(o.logits_indices, vec![4]);
     assert_eq!(o.sample_req_ids, vec![1]);
@@ -32,8 +32,8 @@ fn one_request_from_prefill_to_length_finish() {
     assert_eq!(r.finish_reasons, vec![None]);
 
     let (o, _) = step(&mut s, &mut lens);
-    assert_eq!((o.input_ids, o.positions, o.slot_mapping), (vec![fake_token(1, 0, 5)], vec![5], vec![9]));
-    assert_eq!((o.seq_lens, o.kv_indices, o.kv_last_page_len), (vec![6], vec![1, 2], vec![2]));
+    assert_eq!((&o.input_ids, &o.positions, &o.slot_mapping), (&vec![fake_token(1, 0, 5)], &vec![5], &vec![9]));
+    assert_eq!((&o.seq_lens, &o.kv_indices, &o.kv_last_page_len), (&vec![6], &vec![1, 2], &vec![2]));
 
     let (o, r) = step(&mut s, &mut lens);
     assert_eq!(o.slot_mapping, vec![10]);

@@ -1,0 +1,130 @@
+"""Output processing: turns the core's ``StepOutputs`` (per sample row its token, its releasable
+new text and finish reason, plus the whole output of every sequence that finished) into the
+``RequestOutput`` objects a caller is handed, per request's ``output_kind``. The core owns
+tokens, text and stop conditions; this owns only what the core does not: the caller's ids and
+prompt, metrics, logprobs, and the live outputs of "cumulative" requests.
+
+Cost per step: O(1) Python plus O(finished sequences) while every live request is "final_only"
+without logprobs (what ``generate()`` makes); otherwise one pass over the step's rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ferryman.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from ferryman.sampling_params import SamplingParams
+
+Logprobs = dict[int, float]
+
+
+@dataclass(slots=True)
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    logprobs: list[list[Logprobs]] = field(default_factory=list)  # per fork, "final_only" only
+    num_finished: int = 0
+
+    @property
+    def per_row(self) -> bool:
+        """Whether each of its rows needs Python work (not just its finish)."""
+        return self.params.output_kind != "final_only" or self.params.logprobs is not None
+
+
+class OutputProcessor:
+    def __init__(self) -> None:
+        self.reqs: dict[int, RequestState] = {}  # by core id
+        self._num_per_row = 0
+
+    def add(self, core_id: int, st: RequestState) -> None:
+        st.outputs = [CompletionOutput(index=k) for k in range(st.params.n)]
+        if st.params.logprobs is not None and st.params.output_kind == "final_only":
+            st.logprobs = [[] for _ in range(st.params.n)]
+        self.reqs[core_id] = st
+        self._num_per_row += st.per_row
+
+    def remove(self, core_id: int) -> RequestState | None:
+        st = self.reqs.pop(core_id, None)
+        if st is not None:
+            self._num_per_row -= st.per_row
+        return st
+
+    def process(self, res: Any, lps: list[Logprobs | None] | None, now: float) -> list[RequestOutput]:
+        """The outputs of one ``update()`` (``lps``: each row's logprobs, or None)."""
+        reqs = self.reqs
+        ids_np = res.req_ids
+        for rid in ids_np[res.num_output_tokens == 1].tolist():
+            st = reqs.get(rid)
+            if st is not None and st.metrics.first_token_time is None:
+                st.metrics.first_token_time = now
+                if st.metrics.first_scheduled_time is None:  # a prompt the prefix cache held whole
+                    st.metrics.first_scheduled_time = now
+        fin = res.finished_rows.tolist()
+        if not self._num_per_row and not fin:
+            return []
+        ids, ks, reasons = ids_np.tolist(), res.seq_indices.tolist(), res.finish_reasons
+        touched: dict[int, RequestState] = {}
+        deltas: dict[int, list[CompletionOutput]] = {}
+        if self._num_per_row:
+            toks, texts = res.new_token_ids.tolist(), res.deltas
+            for i, rid in enumerate(ids):
+                st = reqs.get(rid)
+                if st is None or not st.per_row:
+                    continue
+                k, tok, lp = ks[i], toks[i], None if lps is None else lps[i]
+                kind = st.params.output_kind
+                if kind == "cumulative":
+                    o = st.outputs[k]
+                    o.text += texts[i]
+                    o.token_ids.append(tok)
+                    o.finish_reason = reasons[i]
+                    if lp is not None:
+                        _add_logprob(o, lp, tok)
+                    touched[rid] = st
+                elif kind == "delta":
+                    o = CompletionOutput(k, texts[i], [tok], reasons[i])
+                    if lp is not None:
+                        _add_logprob(o, lp, tok)
+                    deltas.setdefault(rid, []).append(o)
+                    touched[rid] = st
+                elif lp is not None:
+                    st.logprobs[k].append(lp)
+        if fin:
+            offs, all_toks, texts = res.output_token_offsets.tolist(), res.output_token_ids, res.output_texts
+            for f, row in enumerate(fin):
+                st = reqs.get(ids[row])
+                if st is None:
+                    continue
+                st.num_finished += 1
+                touched[ids[row]] = st
+                if st.params.output_kind == "final_only":
+                    k = ks[row]
+                    o = CompletionOutput(k, texts[f], all_toks[offs[f] : offs[f + 1]].tolist(), reasons[row])
+                    if st.logprobs:
+                        o.logprobs = st.logprobs[k]
+                        o.cumulative_logprob = sum(d[t] for d, t in zip(o.logprobs, o.token_ids, strict=True))
+                    st.outputs[k] = o
+        results = []
+        for rid, st in touched.items():
+            done = st.num_finished == st.params.n
+            kind = st.params.output_kind
+            if kind == "final_only" and not done:
+                continue
+            if done:
+                st.metrics.finished_time = now
+                self.remove(rid)
+            outs = deltas.get(rid, []) if kind == "delta" else st.outputs
+            results.append(RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, outs, done, st.metrics))
+        return results
+
+
+def _add_logprob(o: CompletionOutput, lp: Logprobs, tok: int) -> None:
+    if o.logprobs is None:
+        o.logprobs, o.cumulative_logprob = [], 0.0
+    o.logprobs.append(lp)
+    o.cumulative_logprob = (o.cumulative_logprob or 0.0) + lp[tok]

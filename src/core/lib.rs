@@ -21,6 +21,7 @@ pub mod prefix_cache;
 pub mod queues;
 pub mod request;
 pub mod scheduler;
+pub mod text;
 
 pub use config::{Policy, PreemptionMode, PreemptionModeConfig, SchedulerConfig};
 pub use error::{CoreError, CoreResult};

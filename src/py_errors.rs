@@ -21,7 +21,8 @@ pub fn to_pyerr(e: CoreError) -> PyErr {
         | CoreError::RequestTooLong { .. }
         | CoreError::RequestTooLarge { .. }
         | CoreError::BatchSizeMismatch { .. }
-        | CoreError::InvalidFinishReason(_) => InvalidRequestError::new_err(msg),
+        | CoreError::InvalidFinishReason(_)
+        | CoreError::Tokenizer(_) => InvalidRequestError::new_err(msg),
         CoreError::OutOfOrder(_) | CoreError::InvariantViolated(_) => EngineError::new_err(msg),
     }
 }

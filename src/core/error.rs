@@ -42,6 +42,9 @@ pub enum CoreError {
     /// `finish_request` with a reason other than "stop", "length" or "abort".
     #[error("invalid finish reason {0:?}: expected \"stop\", \"length\" or \"abort\"")]
     InvalidFinishReason(String),
+    /// A tokenizer could not be loaded, or failed to decode (the message says which and why).
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
     /// `check_invariants()` found the state broken: a bug in the core.
     #[error("invariant violated: {0}")]
     InvariantViolated(String),

@@ -43,13 +43,12 @@ impl PyScheduler {
 
     /// Detokenizes requests' output from now on (`tokenizer_json`: a tokenizer.json's content).
     fn set_tokenizer(&mut self, tokenizer_json: &str) -> PyResult<()> {
-        self.inner.set_tokenizer(Tokenizer::from_json(tokenizer_json).map_err(to_pyerr)?);
+        self.inner.set_tokenizer(Tokenizer::from_bytes(tokenizer_json.as_bytes()).map_err(to_pyerr)?);
         Ok(())
     }
 
     #[pyo3(signature = (req_id, prompt_token_ids, max_tokens, *, priority=0, eos_token_id=None,
-        stop_token_ids=Vec::new(), ignore_eos=false, n=1, detokenize=false, stop=Vec::new(),
-        skip_special_tokens=true))]
+        stop_token_ids=Vec::new(), ignore_eos=false, n=1, detokenize=false, stop=Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &mut self,
@@ -63,7 +62,6 @@ impl PyScheduler {
         n: i64,
         detokenize: bool,
         stop: Vec<String>,
-        skip_special_tokens: bool,
     ) -> PyResult<()> {
         let id = req_id_of(req_id)?;
         let prompt = prompt_token_ids.into_iter().map(|t| token_of(req_id, t)).collect::<PyResult<Vec<_>>>()?;
@@ -87,7 +85,7 @@ impl PyScheduler {
             stop_token_ids: stop_ids,
             ignore_eos,
             n: n as u32,
-            text: detokenize.then_some(TextParams { stop, skip_special_tokens }),
+            text: detokenize.then_some(TextParams { stop }),
         };
 
         self.inner.add_request(id, prompt, params).map_err(to_pyerr)

@@ -5,7 +5,7 @@ Per step exactly two calls cross: ``Scheduler.schedule()`` and ``Scheduler.updat
 ``n > 1`` samples its last row n times). Every array is C-contiguous and owned by numpy.
 """
 
-from typing import Literal, final
+from typing import Any, Literal, final
 
 import numpy as np
 import numpy.typing as npt
@@ -101,9 +101,6 @@ class SchedulerOutput:
     def input_ids(self) -> npt.NDArray[np.int32]:
         """int32 [T]: tokens to compute."""
     @property
-    def positions(self) -> npt.NDArray[np.int64]:
-        """int64 [T]: their positions."""
-    @property
     def qo_indptr(self) -> npt.NDArray[np.int32]:
         """int32 [B+1]: row offsets into the T tokens; qo_indptr[-1] == T."""
     @property
@@ -113,14 +110,8 @@ class SchedulerOutput:
     def kv_indptr(self) -> npt.NDArray[np.int32]:
         """int32 [B+1]: row offsets into kv_indices (FlashInfer's paged_kv_indptr)."""
     @property
-    def kv_indices(self) -> npt.NDArray[np.int32]:
-        """int32 [kv_indptr[-1]]: device blocks of each row, in order."""
-    @property
     def kv_last_page_len(self) -> npt.NDArray[np.int32]:
         """int32 [B]: tokens in each row's last block, 1..block_size."""
-    @property
-    def slot_mapping(self) -> npt.NDArray[np.int64]:
-        """int64 [T]: block * block_size + offset where each token's KV is written."""
     @property
     def logits_indices(self) -> npt.NDArray[np.int64]:
         """int64 [S]: token row whose logits each sample uses (a row repeats for n > 1)."""
@@ -256,12 +247,12 @@ class Scheduler:
         n: int = 1,
         detokenize: bool = False,
         stop: list[str] = ...,
-        skip_special_tokens: bool = True,
     ) -> None:
         """Queues a request; raises InvalidRequestError for a duplicate live id, an empty prompt,
         bad parameters, or a request that could never fit max_model_len or the device pool.
-        ``detokenize`` (needs set_tokenizer) makes update() return its text; ``stop`` strings
-        finish it with "stop", the text ending before the first one to appear."""
+        ``detokenize`` (needs set_tokenizer) makes update() return its text (special tokens add
+        none); ``stop`` strings finish it with "stop", the text ending before the first one to
+        appear."""
     def schedule(self) -> SchedulerOutput: ...
     def update(self, sampled_token_ids: npt.ArrayLike) -> StepOutputs:
         """One int32 token per entry of the last logits_indices, in order."""
@@ -269,6 +260,6 @@ class Scheduler:
     def finish_request(self, req_id: int, reason: str, seq_index: int | None = None) -> None: ...
     def has_unfinished_requests(self) -> bool: ...
     def stats(self) -> dict[str, int]: ...
-    def drain_events(self) -> list[dict[str, int | float | str]]: ...
+    def drain_events(self) -> list[dict[str, Any]]: ...
     def check_invariants(self) -> None: ...
     def block_table(self, req_id: int, seq_index: int = 0) -> list[int] | None: ...

@@ -89,7 +89,6 @@ class Engine:
                 n=params.n,
                 detokenize=self.tokenizer is not None,
                 stop=params.stop,
-                skip_special_tokens=params.skip_special_tokens,
             )
         except InvalidRequestError as e:  # name the user's request id, not the core's number
             if core_id != self._next_id:
@@ -151,7 +150,9 @@ class Engine:
                 st = reqs.get(r)
                 if st is not None and st.metrics.first_scheduled_time is None:
                     st.metrics.first_scheduled_time = now
-        self.peak_blocks_used = max(self.peak_blocks_used, self.kv.num_device_blocks - out.num_free_device_blocks)
+        self.peak_blocks_used = max(
+            self.peak_blocks_used, self.kv.num_device_blocks - out.num_free_device_blocks
+        )
         logits = self.runner.execute(out)
         ids = out.sample_req_ids
         if len(ids):

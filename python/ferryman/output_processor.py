@@ -115,11 +115,12 @@ class OutputProcessor:
             kind = st.params.output_kind
             if kind == "final_only" and not done:
                 continue
-            if done:
+            if done:  # the engine removes it (and frees its id)
                 st.metrics.finished_time = now
-                self.remove(rid)
             outs = deltas.get(rid, []) if kind == "delta" else st.outputs
-            results.append(RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, outs, done, st.metrics))
+            results.append(
+                RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, outs, done, st.metrics)
+            )
         return results
 
 

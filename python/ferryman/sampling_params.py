@@ -27,7 +27,6 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     priority: int = 0
-    skip_special_tokens: bool = True
     # "cumulative": each step's output holds the whole text so far (vLLM's LLMEngine default);
     # "delta": only what is new since the last output; "final_only": one output, when finished
     output_kind: str = "cumulative"

@@ -56,13 +56,12 @@ pub struct StopParams {
     pub ignore_eos: bool,
 }
 
-/// Detokenization of a request's output (needs the scheduler's tokenizer).
+/// Detokenization of a request's output (needs the scheduler's tokenizer; special tokens add
+/// no text).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct TextParams {
     /// Finish with "stop" at the earliest of these in the text; the text ends before it.
     pub stop: Vec<String>,
-    /// Leave special tokens out of the text.
-    pub skip_special_tokens: bool,
 }
 
 /// Sampling-independent parameters of a new request.
@@ -116,8 +115,10 @@ pub struct Request {
     /// While swapped: leading blocks left on the device (cached and held by others) instead of
     /// copied to the host; swap-in takes them back from the prefix cache.
     pub num_swap_prefix_blocks: usize,
-    /// The output's text and stop strings, when the request asked for text.
+    /// The output's text state and stop strings, when the request asked for text.
     pub text: Option<Box<SeqText>>,
+    /// The text released so far (what the sequence's deltas add up to).
+    pub released_text: String,
     /// Its row of the persistent batch, while running and once scheduled.
     pub row: Option<u32>,
 }
@@ -144,7 +145,8 @@ impl Request {
                 ignore_eos: p.ignore_eos,
             },
             num_pending_forks: p.n,
-            text: p.text.map(|t| Box::new(SeqText::new(t.stop, t.skip_special_tokens))),
+            text: None, // the scheduler attaches it: it holds the tokenizer
+            released_text: String::new(),
             row: None,
             status: RequestStatus::Waiting,
             num_preemptions: 0,
@@ -207,6 +209,7 @@ mod tests {
             num_swap_prefix_blocks: 0,
             num_cached_blocks: 0,
             text: None,
+            released_text: String::new(),
             row: None,
         }
     }

@@ -29,7 +29,7 @@ use crate::kv_cache_manager::{BlockCopy, KvCacheManager};
 use crate::outputs::{Counters, PreemptionEvent, StepStats};
 use crate::queues::Queues;
 use crate::request::{FinishReason, Request, RequestParams, RequestStatus};
-use crate::text::Tokenizer;
+use crate::text::{SeqText, Tokenizer};
 use step::PendingStep;
 
 /// A request scheduled in the step being planned.
@@ -150,7 +150,12 @@ impl Scheduler {
                 num_device_blocks: self.cfg.num_device_blocks,
             });
         }
-        let req = Request::new(req_id, self.next_arrival, &prompt_token_ids, p);
+        let text = match (&p.text, &self.tokenizer) {
+            (Some(t), Some(tok)) => Some(Box::new(SeqText::new(tok, &t.stop))),
+            _ => None,
+        };
+        let mut req = Request::new(req_id, self.next_arrival, &prompt_token_ids, p);
+        req.text = text;
         self.next_arrival += 1;
         let idx = self.reqs.insert(req);
         self.kv.ensure_tables(idx);

@@ -5,7 +5,6 @@ depend on the batch."""
 from __future__ import annotations
 
 import dataclasses
-
 from pathlib import Path
 
 import pytest

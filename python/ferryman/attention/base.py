@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 
-
 @dataclass(slots=True)
 class StepInputs:
     """What one step's forward and attention read: the core's per-row arrays and the per-token

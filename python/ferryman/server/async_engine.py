@@ -220,7 +220,9 @@ class AsyncEngine:
             self.metrics.on_step(res.stats, res.preemptions, stats, new_tokens, step_s)
         if self.trace is not None:
             cfg = self.engine.scheduler.config
-            self.trace.write(step_record(res.stats, cfg, res.preemptions, time.monotonic() - self._t0, step_s))
+            self.trace.write(
+                step_record(res.stats, cfg, res.preemptions, time.monotonic() - self._t0, step_s)
+            )
             for e in res.preemptions:
                 self.trace.write({"type": "preemption", **dataclasses.asdict(e)})
 

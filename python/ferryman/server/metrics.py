@@ -7,8 +7,6 @@ the ``"preemption"`` records of the step trace one for one.
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ferryman._core import SchedulerConfig

@@ -23,7 +23,9 @@ from ferryman.attention.base import StepInputs
 
 
 class BlockTable:
-    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, pin: bool = False) -> None:
+    def __init__(
+        self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, pin: bool = False
+    ) -> None:
         self.block_size, self.pin = block_size, pin
         self._alloc(max_num_seqs, max_blocks_per_seq)
 
@@ -38,7 +40,9 @@ class BlockTable:
         """Applies the step's table changes, then derives its per-token arrays."""
         if len(out.table_rows):
             need = (int(out.table_rows.max()) + 1, int(out.table_cols.max()) + 1)
-            if need[0] > self.table.shape[0] or need[1] > self.table.shape[1]:  # a scheduler sized beyond ours
+            if (
+                need[0] > self.table.shape[0] or need[1] > self.table.shape[1]
+            ):  # a scheduler sized beyond ours
                 self._alloc(max(need[0], self.table.shape[0]), max(need[1], self.table.shape[1]))
             self.table[out.table_rows, out.table_cols] = out.table_blocks
         table, bs = self.table, self.block_size
@@ -55,4 +59,6 @@ class BlockTable:
         pages = np.diff(kvp)
         page = np.repeat(np.arange(b), pages)
         kv_indices = table[rows[page], np.arange(nnz) - kvp[page]]
-        return StepInputs(out.input_ids, positions, slots, qo, seq_lens, kvp, kv_indices, out.kv_last_page_len)
+        return StepInputs(
+            out.input_ids, positions, slots, qo, seq_lens, kvp, kv_indices, out.kv_last_page_len
+        )

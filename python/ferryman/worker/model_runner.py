@@ -64,7 +64,9 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """float32 logits ``[S, vocab]``, S = len(out.logits_indices)."""
         step = self.block_table.step(out)
-        self.kv.run_plans(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy, step.slot_mapping)
+        self.kv.run_plans(
+            out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy, step.slot_mapping
+        )
         if out.num_scheduled_tokens == 0:
             return torch.empty((0, self.model.cfg.vocab_size), dtype=torch.float32)
         hidden = self.graphs.run(step) if self.graphs is not None else None

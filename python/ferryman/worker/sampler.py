@@ -109,8 +109,17 @@ class SamplingTable:
         if i >= len(self.seed):
             for name in ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs"):
                 col = getattr(self, name)
-                setattr(self, name, np.concatenate([col, np.zeros(max(i + 1, 2 * len(col)) - len(col), col.dtype)]))
-        self.temperature[i], self.top_k[i], self.top_p[i], self.min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+                setattr(
+                    self,
+                    name,
+                    np.concatenate([col, np.zeros(max(i + 1, 2 * len(col)) - len(col), col.dtype)]),
+                )
+        self.temperature[i], self.top_k[i], self.top_p[i], self.min_p[i] = (
+            p.temperature,
+            p.top_k,
+            p.top_p,
+            p.min_p,
+        )
         self.seed[i] = seed
         self.logprobs[i] = -1 if p.logprobs is None else p.logprobs
         self.num_random += p.temperature > 0
@@ -131,9 +140,16 @@ class SamplingTable:
         else:
             dev = logits.device
             seeds = self.seed[ids] + 1000003 * seq_indices.astype(np.int64)
+            temperature, top_k, top_p, min_p = (
+                torch.from_numpy(c[ids]).to(dev)
+                for c in (self.temperature, self.top_k, self.top_p, self.min_p)
+            )
             tokens = sample(
                 logits,
-                *(torch.from_numpy(c[ids]).to(dev) for c in (self.temperature, self.top_k, self.top_p, self.min_p)),
+                temperature,
+                top_k,
+                top_p,
+                min_p,
                 torch.from_numpy(seeds).to(dev),
                 torch.from_numpy(positions.astype(np.int64)).to(dev),
             )

@@ -18,6 +18,7 @@ use crate::error::{CoreError, CoreResult};
 use crate::kv_cache_manager::blocks_for;
 use crate::outputs::{SchedulerOutput, StepOutputs, StepStats};
 use crate::request::{FinishReason, Request, RequestStatus};
+use crate::text::Push;
 
 /// A sample row between `schedule()` and `update()`.
 #[derive(Debug, Clone, Copy)]
@@ -212,23 +213,24 @@ impl Scheduler {
         let mut finish = r.append_token(token, self.cfg.max_model_len);
         self.counters.num_generated_tokens += 1;
         if let (Some(text), Some(tok)) = (r.text.as_deref_mut(), self.tokenizer.as_ref()) {
-            // a stop token's own text is not part of the output (vLLM's rule)
-            if finish != Some(FinishReason::Stop) && text.push(tok, token).stopped() {
+            // a stop token's own text is not part of the output (vLLM's rule); a token the
+            // tokenizer cannot decode adds no text
+            if finish != Some(FinishReason::Stop) && matches!(text.push(tok, token), Ok(Push::Stop(_))) {
                 finish = Some(FinishReason::Stop);
             }
-            if finish.is_some() {
-                text.finish(tok);
+            if finish.is_some() && matches!(text.finish(), Push::Stop(_)) {
+                finish = Some(FinishReason::Stop);
             }
+            let at = out.text.len();
             text.take_delta(&mut out.text);
+            r.released_text.push_str(std::str::from_utf8(&out.text[at..]).expect("deltas are whole characters"));
         }
         out.push_row(r.req_id, r.seq_index, token as i32, finish, r.num_output_tokens());
         if let Some(reason) = finish {
             out.finished_rows.push(out.req_ids.len() as u32 - 1);
             out.output_token_ids.extend_from_slice(&r.token_ids[r.num_prompt_tokens..]);
             out.output_token_offsets.push(out.output_token_ids.len() as u32);
-            if let Some(text) = &r.text {
-                out.output_text.extend_from_slice(text.text().as_bytes());
-            }
+            out.output_text.extend_from_slice(r.released_text.as_bytes());
             out.output_text_offsets.push(out.output_text.len() as u32);
             self.finish(idx, reason);
         }

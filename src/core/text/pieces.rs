@@ -1,11 +1,12 @@
 //! `Pieces`: what each token id adds to the text, precomputed once per tokenizer, for decoders
 //! that work token by token (the fast path of `detokenize`).
 //!
-//! Two decoder families qualify, recognized from the decoder's tokenizer.json form:
+//! Two decoder families qualify, recognized from the decoder's steps:
 //! - **byte-level** (GPT-2, Llama-3, SmolLM): `ByteLevel`. Each token maps to raw bytes; the text
 //!   is the lossy UTF-8 decode of their concatenation (`Mode::Lossy`).
 //! - **SentencePiece-style** (Llama-2, Mistral, Gemma): a `Sequence` of string `Replace`s, then
-//!   optionally `ByteFallback`, `Fuse`, and a `Strip` of the fused text's start. Each token maps to
+//!   optionally `ByteFallback`, `Fuse`, and a `Strip` of the fused text's start (the layout
+//!   transformers' `LlamaTokenizer` writes). Each token maps to
 //!   its replaced string, or (`<0xNN>`) to one byte; a run of byte tokens decodes as UTF-8 if it is
 //!   valid, else as one U+FFFD per byte token (`Mode::ByteRuns`).
 //!
@@ -16,8 +17,7 @@
 //! Invariant: `starts.len() == kinds.len() + 1`; a `Kind::Piece` id's text is
 //! `data[starts[id]..starts[id + 1]]`; in `Mode::ByteRuns` that range is valid UTF-8.
 
-use serde_json::Value;
-use tokenizers::Tokenizer as HfTokenizer;
+use tokenizers::{DecoderWrapper, Tokenizer as HfTokenizer};
 
 const REPLACEMENT: char = '\u{FFFD}';
 
@@ -64,8 +64,7 @@ struct Recipe {
 impl Pieces {
     /// The table of `tk`, or `None` when its decoder is not token by token or the self-check fails.
     pub fn build(tk: &HfTokenizer) -> Option<Self> {
-        let decoder = serde_json::to_value(tk.get_decoder()?).ok()?;
-        let recipe = recognize(&decoder)?;
+        let recipe = recognize(tk.get_decoder()?)?;
         let num_ids = tk.get_vocab(true).values().max().map_or(0, |&m| m as usize + 1);
         let added = tk.get_added_vocabulary();
         let char_bytes = gpt2_char_bytes();
@@ -200,36 +199,33 @@ fn gpt2_char_bytes() -> Vec<Option<u8>> {
     map
 }
 
-/// The recipe of a decoder the table can reproduce, from its tokenizer.json form.
-fn recognize(decoder: &Value) -> Option<Recipe> {
-    let steps: Vec<&Value> = match decoder["type"].as_str()? {
-        "Sequence" => decoder["decoders"].as_array()?.iter().collect(),
-        _ => vec![decoder],
+/// The recipe of a decoder the table can reproduce.
+fn recognize(decoder: &DecoderWrapper) -> Option<Recipe> {
+    let steps = match decoder {
+        DecoderWrapper::Sequence(seq) => seq.get_decoders(),
+        one => std::slice::from_ref(one),
     };
-    if let [only] = steps[..] {
-        if only["type"] == "ByteLevel" {
-            return Some(Recipe { mode: Mode::Lossy, replaces: vec![], byte_fallback: false, strip: None });
-        }
+    if let [DecoderWrapper::ByteLevel(_)] = steps {
+        return Some(Recipe { mode: Mode::Lossy, replaces: vec![], byte_fallback: false, strip: None });
     }
     let mut r = Recipe { mode: Mode::ByteRuns, replaces: vec![], byte_fallback: false, strip: None };
     // the order the table can follow: Replace*, ByteFallback?, Fuse?, Strip? (of the fused text)
     let mut phase = 0;
     for step in steps {
-        phase = match (step["type"].as_str()?, phase) {
-            ("Replace", 0) => {
-                let pattern = step["pattern"]["String"].as_str()?;
-                r.replaces.push((pattern.to_owned(), step["content"].as_str()?.to_owned()));
+        phase = match (step, phase) {
+            (DecoderWrapper::Replace(rep), 0) => {
+                // the pattern is private: read it from the tokenizer.json form, {"String": ...}
+                let form = serde_json::to_value(rep).ok()?;
+                r.replaces.push((form["pattern"]["String"].as_str()?.to_owned(), rep.content.clone()));
                 0
             }
-            ("ByteFallback", 0) => {
+            (DecoderWrapper::ByteFallback(_), 0) => {
                 r.byte_fallback = true;
                 1
             }
-            ("Fuse", 0 | 1) => 2,
-            ("Strip", 2) if step["stop"] == 0 => {
-                let mut content = step["content"].as_str()?.chars();
-                let (c, None) = (content.next()?, content.next()) else { return None };
-                r.strip = Some((c, usize::try_from(step["start"].as_u64()?).ok()?));
+            (DecoderWrapper::Fuse(_), 0 | 1) => 2,
+            (DecoderWrapper::Strip(strip), 2) if strip.stop == 0 => {
+                r.strip = Some((strip.content, strip.start));
                 3
             }
             _ => return None,

@@ -73,7 +73,11 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def decode_and_prefill(model: LlamaForCausalLM, batch: int, ctx: int, steps: int) -> dict[str, Any]:
+def prepare(
+    model: LlamaForCausalLM, batch: int, ctx: int, steps: int
+) -> tuple[Scheduler, ModelRunner, int, float]:
+    """``batch`` requests of ``ctx`` random tokens, prefilled (timed) and one decode step run, with
+    room for 2 * ``steps`` more decode steps: (scheduler, runner, prefill tokens, prefill s)."""
     cfg, dev, bs = model.cfg, next(model.parameters()).device, 16
     blocks = batch * (-(-(ctx + 2 * steps + 8) // bs)) + 8
     kv = KvCache(cfg.num_layers, blocks, 0, bs, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, dev)
@@ -107,6 +111,12 @@ def decode_and_prefill(model: LlamaForCausalLM, batch: int, ctx: int, steps: int
         prefill_tokens += out.num_prefill_tokens
         s.update(toks)
     s.update(runner.execute(out).argmax(-1).to(torch.int32).cpu().numpy())  # the first decode step
+    return s, runner, prefill_tokens, prefill_s
+
+
+def decode_and_prefill(model: LlamaForCausalLM, batch: int, ctx: int, steps: int) -> dict[str, Any]:
+    cfg = model.cfg
+    s, runner, prefill_tokens, prefill_s = prepare(model, batch, ctx, steps)
     step_s, fwd_s = decode_steps(s, runner, steps)
     graphs, runner.graphs = runner.graphs, None
     eager_s = decode_steps(s, runner, steps)[0] if graphs is not None else None

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Run THERE (a GPU machine, through the device tool with `carry: [".whl"]`), after
 # scripts/gpu_wheels.sh here. Installs the carried wheels, runs tests/gpu (FlashInfer vs the torch
-# reference; greedy parity under forced preemption in every mode), then benchmarks/gpu_bench.py,
-# and prints one JSON summary (also written to $OUT/gpu.json when OUT is set). Budget: < 9 minutes.
+# reference; greedy parity under forced preemption in every mode), then benchmarks/gpu_bench.py and
+# benchmarks/gpu_profile.py, and prints one JSON summary (also written to $OUT/gpu.json when OUT is
+# set; each stage's own output lands in $OUT as it finishes). Budget: < 8.5 minutes (device tool
+# timeout 540): each stage gets what is left of DEADLINE_S, keeping room for the ones after it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -14,25 +16,43 @@ nvcc --version | tail -1 || true
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python3 -c "import ferryman, flashinfer, torch; print('ferryman', ferryman.__version__, 'flashinfer', flashinfer.__version__, 'torch', torch.__version__)"
 start=$(date +%s)
+deadline=$(( start + ${DEADLINE_S:-490} ))
+left() { local l=$(( deadline - $(date +%s) - $1 )); (( l > $2 )) && echo "$l" || echo "$2"; }
 # the first test JIT-compiles FlashInfer's kernels (minutes on a bare machine)
 timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W default -s --durations=0 tests/gpu 2>&1 \
   | tee "$LOG/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 echo "tests done after $(( $(date +%s) - start )) s"
-timeout 240 python3 benchmarks/gpu_bench.py > /tmp/gpu_bench.json 2> "$LOG/gpu_bench.err"
+t=$(left 100 60); t=$(( t < 240 ? t : 240 ))  # keep 100 s for the profile
+echo "gpu_bench.py (timeout ${t} s)"
+timeout "$t" python3 benchmarks/gpu_bench.py > /tmp/gpu_bench.json 2> "$LOG/gpu_bench.err"
 bench_rc=$?
+cp /tmp/gpu_bench.json "$LOG/gpu_bench.json" 2>/dev/null || true
 tail -20 "$LOG/gpu_bench.err"
-python3 - "$tests_rc" "$bench_rc" "$start" <<'PY'
+echo "bench done after $(( $(date +%s) - start )) s"
+t=$(left 0 45); t=$(( t < 120 ? t : 120 ))
+echo "gpu_profile.py (timeout ${t} s)"
+timeout "$t" python3 benchmarks/gpu_profile.py > /tmp/gpu_profile.json 2> "$LOG/gpu_profile.err"
+profile_rc=$?
+cp /tmp/gpu_profile.json "$LOG/gpu_profile.json" 2>/dev/null || true
+tail -20 "$LOG/gpu_profile.err"
+echo "profile done after $(( $(date +%s) - start )) s"
+python3 - "$tests_rc" "$bench_rc" "$start" "$profile_rc" <<'PY'
 import json, os, sys, time
-tests_rc, bench_rc, start = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+tests_rc, bench_rc, start, profile_rc = (int(a) for a in sys.argv[1:5])
 tail = open(os.path.join(os.environ.get("OUT") or "/tmp", "gpu_tests.log")).read().strip().splitlines()[-1:]
 try:
     bench = json.load(open("/tmp/gpu_bench.json"))
 except Exception as e:
     bench = {"error": repr(e)}
-summary = {"tests_rc": tests_rc, "tests": tail, "bench_rc": bench_rc, "bench": bench, "seconds": int(time.time()) - start}
+try:
+    profile = json.load(open("/tmp/gpu_profile.json"))
+except Exception as e:
+    profile = {"error": repr(e)}
+summary = {"tests_rc": tests_rc, "tests": tail, "bench_rc": bench_rc, "bench": bench,
+           "profile_rc": profile_rc, "profile": profile, "seconds": int(time.time()) - start}
 print(json.dumps(summary))
 if os.environ.get("OUT"):
     open(os.path.join(os.environ["OUT"], "gpu.json"), "w").write(json.dumps(summary, indent=1))
 PY
-exit $(( tests_rc != 0 || bench_rc != 0 ))
+exit $(( tests_rc != 0 || bench_rc != 0 || profile_rc != 0 ))

@@ -56,10 +56,14 @@ def test_default_model_matches_transformers_gguf_loader() -> None:
     got = [o.outputs[0].token_ids for o in outs]
     assert got == [w[: len(g)] for w, g in zip(want, got, strict=True)]
     assert outs[0].outputs[0].text.startswith(" Paris")
+    for o in outs:  # the core's text is transformers' decode of the same tokens
+        assert o.outputs[0].text == tok.decode(o.outputs[0].token_ids, skip_special_tokens=True)
     reply = eng.chat(
         [{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0)
     )
     assert "Paris" in reply.outputs[0].text and reply.outputs[0].finish_reason == "stop"
+    r = reply.outputs[0]
+    assert r.text == tok.decode(r.token_ids, skip_special_tokens=True)
     cut = eng.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=16, stop=["."]))[0].outputs[0]
     assert (cut.text, cut.finish_reason) == (" Paris", "stop")
 

@@ -2,7 +2,7 @@
 when this backend is built, so the CPU path never touches it).
 
 An ``AttentionBackend`` (``attention/base.py``): ``plan(out)`` once per step, ``forward(layer, q,
-k, v)`` per layer. ``plan`` hands FlashInfer the core's arrays as they are: host-side int32
+k, v)`` per layer. ``plan`` hands FlashInfer the step's arrays as they are: host-side int32
 ``qo_indptr``, ``kv_indptr``, ``kv_indices`` and ``kv_last_page_len`` (pinned, so planning does
 not sync the GPU; FlashInfer reads the indptrs on the host). A step where every row computes one
 token uses the decode wrapper (tensor cores, GQA native); any step with a prefill chunk uses the
@@ -38,7 +38,7 @@ class PlanMetadata:
 
 
 def plan_metadata(out: StepInputs, pin: bool = False) -> PlanMetadata:
-    """FlashInfer's CSR page table for one step, straight from the core's int32 arrays."""
+    """FlashInfer's CSR page table for one step, straight from its int32 arrays."""
 
     def host(a: Any) -> torch.Tensor:
         t = torch.from_numpy(a)

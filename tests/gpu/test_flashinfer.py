@@ -112,6 +112,7 @@ def test_cuda_graph_logits_match_eager(tmp_path: Path) -> None:
 
 def test_flashinfer_backend_matches_the_torch_reference() -> None:
     from ferryman.attention.flashinfer_backend import FlashInferBackend
+    from ferryman.worker.block_table import BlockTable
     from ferryman.worker.kv_cache import KvCache
 
     torch.manual_seed(0)
@@ -127,11 +128,12 @@ def test_flashinfer_backend_matches_the_torch_reference() -> None:
     kv_ref = KvCache(layers, 64, 0, bs, hkv, d, dt, dev)
     fi = FlashInferBackend(kv_fi.layers(), bs, d**-0.5, hq, hkv, d)
     ref = TorchAttentionBackend(kv_ref.layers(), bs, d**-0.5)
-    steps = 0
+    steps, tables = 0, BlockTable(4, 32, bs)
     while s.has_unfinished_requests():
         out = s.schedule()
-        fi.plan(out)
-        ref.plan(out)
+        step = tables.step(out)
+        fi.plan(step)
+        ref.plan(step)
         t = out.num_scheduled_tokens
         for layer in range(layers):
             q = torch.randn(t, hq, d, device=dev, dtype=dt)

@@ -156,6 +156,30 @@ def test_bench_throughput_smoke(models: dict[str, Path], capsys: pytest.CaptureF
     assert peak // 2 <= strict["ferryman"]["num_device_blocks"] <= ours["num_device_blocks"]
 
 
+def test_host_overhead_benchmark_smoke() -> None:
+    """benchmarks/host_overhead.py (run by hand, never timed here) on a tiny batch: it runs every
+    scenario and prints finite figures, so the script cannot rot."""
+    import json
+    import math
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    args = ["--requests", "8", "--steps", "4", "--json"]
+    p = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "host_overhead.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    report = json.loads(p.stdout)
+    assert list(report["scenarios"]) == ["greedy", "sampled", "stops"]
+    for r in report["scenarios"].values():
+        figures = [r["host_us_per_token"], r["forward_ms_per_step"], *r["phases_us_per_token"].values()]
+        assert all(math.isfinite(x) for x in figures), r
+
+
 def test_start_up_calibration_feeds_the_cost_model(models: dict[str, Path]) -> None:
     eng = Engine(str(models["llama"]), block_size=4, num_device_blocks=64, num_host_blocks=32)
     assert eng.calibration_s > 0  # it ran; how long it takes is a benchmark's business

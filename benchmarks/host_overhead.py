@@ -5,11 +5,14 @@ in a temp folder; ``--requests`` requests (default 256) of a 16-token text promp
 together on CPU. After a warm-up (every prompt prefilled, then a few decode steps), ``--steps``
 decode steps are timed. Host time = wall time of ``engine.step()`` minus the time inside
 ``engine.runner.execute(...)`` (the forward, synchronous on CPU). Where the engine has them, the
-host time is split by wrapping, on the instance: ``scheduler.schedule``, ``scheduler.update``,
-``engine._sample`` (sampling); the rest is the step's other Python (detokenization, stop strings,
-output objects). A phase whose attribute is missing is left out (its time falls into the rest),
-so the same script measures the engine before and after a redesign (an object whose attributes
-cannot be set, the PyO3 scheduler, is replaced on its holder by a proxy). Times are exclusive (a
+host time is split by wrapping, on the instance: ``scheduler.schedule``, ``scheduler.update``
+(with contract v2 it also detokenizes and matches stop strings), the sampling
+(``engine._sampling.sample``, before contract v2 ``engine._sample``), and the output objects
+(``engine._outputs.process``, contract v2); the rest is the step's other Python (before contract
+v2: detokenization, stop strings, output objects). A phase whose attribute is missing is left out
+(its time falls into the rest), so the same script measures the engine before and after a
+redesign (an object whose attributes cannot be set, the PyO3 scheduler, is replaced on its holder
+by a proxy). Times are exclusive (a
 wrapped call inside another counts once, in the inner one). Each timed call costs about 1 µs of
 timer (``perf_counter_ns`` is ~0.2 µs in a VM): a few µs per step, ~0.02 µs per token at 256.
 ``--split-append`` also times ``engine._append`` (detokenization and stop strings, called per
@@ -25,6 +28,7 @@ them all: the report says how many preemptions happened (none is expected).
 
     python benchmarks/host_overhead.py                              # all scenarios, 256 x 64
     python benchmarks/host_overhead.py --scenarios greedy --json
+    python benchmarks/host_overhead.py --output-kind final_only       # what generate() pays
     python benchmarks/host_overhead.py --split-append               # detokenization apart
     python benchmarks/host_overhead.py --requests 8 --steps 4 --json  # the CI smoke (test_engine)
 """
@@ -50,7 +54,7 @@ from ferryman.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = ("greedy", "sampled", "stops")
-PHASES = ("schedule", "update", "sample")  # then "rest"
+PHASES = ("schedule", "update", "sample", "outputs")  # then "rest"
 PROMPT_LEN, BLOCK = 16, 16
 WARMUP_DECODE_STEPS = 4
 NEVER = ["\x00never-stop-1\x00", "\x00never-stop-2\x00"]  # a random model never prints these
@@ -117,12 +121,12 @@ def instrument(engine: Engine, timer: Timer, split_append: bool = False) -> list
     if not _patch(engine, "runner", {"execute": "forward"}, timer):
         raise SystemExit("engine.runner.execute not found: cannot separate the forward")
     found = _patch(engine, "scheduler", {"schedule": "schedule", "update": "update"}, timer)
-    if hasattr(engine, "_sample"):
-        engine._sample = timer.wrap("sample", engine._sample)  # type: ignore[method-assign]
-        found.append("sample")
-    if split_append and hasattr(engine, "_append"):  # per token: costs ~1 µs/token of timer
-        engine._append = timer.wrap("append", engine._append)  # type: ignore[method-assign]
-        found.append("append")
+    found += _patch(engine, "_sampling", {"sample": "sample"}, timer)  # contract v2
+    found += _patch(engine, "_outputs", {"process": "outputs"}, timer)
+    for attr, label, on in (("_sample", "sample", True), ("_append", "append", split_append)):
+        if on and hasattr(engine, attr):  # before contract v2 (_append: per token, ~1 µs/token of timer)
+            setattr(engine, attr, timer.wrap(label, getattr(engine, attr)))
+            found.append(label)
     return found
 
 
@@ -135,8 +139,10 @@ def build_model(root: Path, max_len: int) -> Path:
     return path
 
 
-def params(scenario: str, i: int, max_tokens: int) -> SamplingParams:
+def params(scenario: str, i: int, max_tokens: int, output_kind: str) -> SamplingParams:
     common: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": True}
+    if "output_kind" in SamplingParams.__dataclass_fields__:  # contract v2; before it: cumulative
+        common["output_kind"] = output_kind
     if scenario == "sampled":
         return SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=i, **common)
     stop = NEVER if scenario == "stops" else []
@@ -147,16 +153,22 @@ def prompt(i: int) -> str:
     return f"request {i:05d} asks about item {7 * i}"[:PROMPT_LEN]  # one token per byte
 
 
-def _decoding(engine: Engine, timer: Timer, requests: int) -> bool:
-    """The last step was decode-only, every request sampling (without ``last_schedule``: only
-    that every request sampled; the warm-up's decode steps then make sure)."""
+def _decoding(engine: Engine, res: Any, timer: Timer, requests: int) -> bool:
+    """The step that returned ``res`` was decode-only, every request sampling (from its
+    ``StepResult.stats``, or ``last_schedule`` before contract v2; without either: only that every
+    request sampled, and the warm-up's decode steps make sure)."""
+    st = getattr(res, "stats", None)
+    if st is not None:
+        return bool(st.num_prefill_tokens == 0 and st.num_generated_tokens == requests)
     out = getattr(engine, "last_schedule", None)
     if out is None:
         return timer.rows in (None, requests)
     return bool(out.num_prefill_tokens == 0 and len(out.sample_req_ids) == requests)
 
 
-def run(model: str, scenario: str, requests: int, steps: int, split_append: bool = False) -> dict[str, Any]:
+def run(
+    model: str, scenario: str, requests: int, steps: int, split: bool = False, kind: str = "cumulative"
+) -> dict[str, Any]:
     max_tokens = steps + 64  # warm-up (prefill steps + WARMUP_DECODE_STEPS) fits in the 64
     per_req = -(-(PROMPT_LEN + max_tokens) // BLOCK) + 1
     engine = Engine(
@@ -171,13 +183,13 @@ def run(model: str, scenario: str, requests: int, steps: int, split_append: bool
         seed=0,
     )
     for i in range(requests):
-        engine.add_request(f"r{i}", prompt(i), params(scenario, i, max_tokens))
+        engine.add_request(f"r{i}", prompt(i), params(scenario, i, max_tokens, kind))
     timer = Timer()
-    phases = instrument(engine, timer, split_append)
+    phases = instrument(engine, timer, split)
     for _ in range(32):  # prefill every prompt (chunked by the token budget)
         timer.reset()
-        engine.step()
-        if _decoding(engine, timer, requests):
+        res = engine.step()
+        if _decoding(engine, res, timer, requests):
             break
     else:
         raise SystemExit(f"{scenario}: the batch never became decode-only")
@@ -187,9 +199,9 @@ def run(model: str, scenario: str, requests: int, steps: int, split_append: bool
     for s in range(steps):
         timer.reset()
         t0 = time.perf_counter_ns()
-        engine.step()
+        res = engine.step()
         wall = time.perf_counter_ns() - t0
-        if timer.rows not in (None, requests) or not _decoding(engine, timer, requests):
+        if timer.rows not in (None, requests) or not _decoding(engine, res, timer, requests):
             raise SystemExit(f"{scenario}: step {s} produced {timer.rows} tokens, not {requests}")
         ns = dict(timer.ns)
         host = wall - ns.get("forward", 0)
@@ -246,6 +258,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated of {SCENARIOS}")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument(
+        "--output-kind",
+        default="cumulative",
+        choices=["cumulative", "delta", "final_only"],
+        help="the requests' SamplingParams.output_kind (contract v2; before it every step built cumulative "
+        "outputs): cumulative is step()'s default, delta what the server streams, final_only what "
+        "generate() uses",
+    )
+    p.add_argument(
         "--split-append",
         action="store_true",
         help="also time engine._append (detokenization + stop strings, per token) apart from the rest "
@@ -259,8 +279,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--requests and --steps must be >= 1")
     with tempfile.TemporaryDirectory() as tmp:
         model = str(build_model(Path(tmp), PROMPT_LEN + a.steps + 64))
-        scenarios = {s: run(model, s, a.requests, a.steps, a.split_append) for s in names}
+        scenarios = {s: run(model, s, a.requests, a.steps, a.split_append, a.output_kind) for s in names}
     report = {
+        "output_kind": a.output_kind,
         "requests": a.requests,
         "steps": a.steps,
         "torch_threads": torch.get_num_threads(),

@@ -1,7 +1,7 @@
 """Reference paged attention in plain torch.
 
-An ``AttentionBackend`` (``attention/base.py``). ``plan()`` runs once per step from the
-scheduler's arrays; ``forward()`` runs per layer: it writes the step's K/V into the layer's cache
+An ``AttentionBackend`` (``attention/base.py``). ``plan()`` runs once per step from the step's
+arrays (``StepInputs``); ``forward()`` runs per layer: it writes the step's K/V into the layer's cache
 through ``slot_mapping`` (``KvWriter``), then for each request gathers its blocks, keeps the first
 ``seq_len`` positions and runs scaled dot-product attention in float32 with a bottom-right
 aligned causal mask (query j of a request with q_len queries and kv_len keys sees keys
@@ -10,7 +10,8 @@ query head h to KV head h // (Hq / Hkv).
 
 Decode rows (one query each) run batched in groups of up to ``DECODE_GROUP`` rows of similar
 length (sorted by block count, so little is padded): each group's block tables are padded with
-the null block to its longest, K and V are gathered separately (one contiguous copy each, no
+the null block to its longest (all groups' tables and key masks are built in one vectorized pass,
+each group a slice), K and V are gathered separately (one contiguous copy each, no
 reshape copies), and a key mask hides the padding. Prefill rows run one by one. Gathers use
 ``index_select`` on dim 0, about 3x faster on CPU than advanced indexing over the block-strided
 layer view.
@@ -21,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -48,29 +50,37 @@ class TorchAttentionBackend:
         self._groups: list[_DecodeGroup] = []
 
     def plan(self, out: StepInputs) -> None:
-        device = self.device
+        device, bs = self.device, self.bs
         self.writer.map(torch.from_numpy(out.slot_mapping).to(device))
-        qo, kvp = out.qo_indptr.tolist(), out.kv_indptr.tolist()
-        lens = out.seq_lens.tolist()
+        qo, kvp, lens = out.qo_indptr, out.kv_indptr, out.seq_lens
+        qlen, pages = np.diff(qo), np.diff(kvp)
         kvi = torch.from_numpy(out.kv_indices).to(device=device, dtype=torch.long)
-        decode = [i for i in range(len(lens)) if qo[i + 1] - qo[i] == 1]
         self._rows = [
-            (qo[i], qo[i + 1], kvi[kvp[i] : kvp[i + 1]], lens[i])
-            for i in range(len(lens))
-            if qo[i + 1] - qo[i] > 1
+            (int(qo[i]), int(qo[i + 1]), kvi[kvp[i] : kvp[i + 1]], int(lens[i]))
+            for i in np.flatnonzero(qlen > 1)
         ]
-        decode.sort(key=lambda i: kvp[i + 1] - kvp[i])
         self._groups = []
+        decode = np.flatnonzero(qlen == 1)
+        if not len(decode):
+            return
+        # every decode row's table padded with the null block to the longest, sorted by length,
+        # built in one pass; each group of DECODE_GROUP rows is then a slice of it
+        decode = decode[np.argsort(pages[decode], kind="stable")]
+        nb, width = pages[decode], int(pages[decode[-1]])
+        col = np.arange(width)
+        at = np.minimum(kvp[decode][:, None] + col, max(len(out.kv_indices) - 1, 0))
+        table = torch.from_numpy(np.where(col < nb[:, None], out.kv_indices[at], 0)).to(device, torch.long)
+        keys = (
+            torch.arange(width * bs, device=device)[None, :]
+            < torch.from_numpy(lens[decode]).to(device)[:, None]
+        )
+        tokens = torch.from_numpy(qo[decode]).to(device, torch.long)
         for g in range(0, len(decode), DECODE_GROUP):
-            rows = decode[g : g + DECODE_GROUP]
-            nb = kvp[rows[-1] + 1] - kvp[rows[-1]]  # sorted: the last row is the longest
-            table = torch.zeros((len(rows), nb), dtype=torch.long, device=device)  # pad: null block
-            for r, i in enumerate(rows):
-                table[r, : kvp[i + 1] - kvp[i]] = kvi[kvp[i] : kvp[i + 1]]
-            kv_lens = torch.tensor([lens[i] for i in rows], device=device)
-            mask = (torch.arange(nb * self.bs, device=device)[None, :] < kv_lens[:, None])[:, None, None, :]
-            tokens = torch.tensor([qo[i] for i in rows], dtype=torch.long, device=device)
-            self._groups.append(_DecodeGroup(tokens, table, mask))
+            w = int(nb[min(g + DECODE_GROUP, len(decode)) - 1])  # sorted: the group's last row is its longest
+            sl = slice(g, g + DECODE_GROUP)
+            self._groups.append(
+                _DecodeGroup(tokens[sl], table[sl, :w].contiguous(), keys[sl, None, None, : w * bs])
+            )
 
     def write_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.writer.write(self.layers[layer_idx], k, v)

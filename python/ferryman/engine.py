@@ -42,7 +42,7 @@ class Engine:
             self.scheduler.set_tokenizer(self.tokenizer.backend_tokenizer.to_str())
         self._rng = random.Random(args.seed)
         self._outputs = OutputProcessor()
-        self._sampling = SamplingTable()
+        self._sampling = SamplingTable(args.max_num_seqs, self.device)
         self._core_ids: dict[str, int] = {}
         self._free_ids: list[int] = []  # core ids to reuse: they index the sampling table
         self._next_id = 0
@@ -153,11 +153,15 @@ class Engine:
         self.peak_blocks_used = max(
             self.peak_blocks_used, self.kv.num_device_blocks - out.num_free_device_blocks
         )
+        if len(out.rows_added):
+            self._sampling.add_rows(out.rows_added, out.added_req_ids)
         logits = self.runner.execute(out)
         ids = out.sample_req_ids
         if len(ids):
-            rows = np.searchsorted(out.qo_indptr, out.logits_indices, side="right") - 1
-            tokens, lps = self._sampling.sample(logits, ids, out.sample_seq_indices, out.seq_lens[rows])
+            b = np.searchsorted(out.qo_indptr, out.logits_indices, side="right") - 1  # each sample's row
+            tokens, lps = self._sampling.sample(
+                logits, out.rows[b], ids, out.sample_seq_indices, out.seq_lens[b]
+            )
             sampled = tokens.cpu().numpy()
         else:
             sampled, lps = np.zeros(0, np.int32), None

@@ -90,6 +90,31 @@ def test_forced_preemption_gives_identical_greedy_output(models: dict[str, Path]
     assert not tight.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_seeded_sampling_survives_forced_preemption(models: dict[str, Path], mode: str) -> None:
+    """A preempted request comes back in another batch row; its sampling parameters must follow
+    it (they live per row on the device), so seeded samples match an ample pool's."""
+    path = str(models["llama"])
+    prompts = shared_prefix_prompts()
+    params = [
+        SamplingParams(temperature=0.9, top_k=20, top_p=0.95, seed=100 + i, max_tokens=16, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    ample = Engine(path, block_size=4, num_device_blocks=256, num_host_blocks=0)
+    want = [o.outputs[0].token_ids for o in ample.generate(prompts, params)]
+    tight = Engine(
+        path,
+        block_size=4,
+        num_device_blocks=24,
+        num_host_blocks=32,
+        max_num_batched_tokens=16,
+        preemption_mode=mode,
+    )
+    got = [o.outputs[0].token_ids for o in tight.generate(prompts, params)]
+    assert tight.stats()["num_preemptions"] > 0, "the pool must force preemption"
+    assert got == want
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(models: dict[str, Path]) -> None:
     path = str(models["qwen2"])
     sp = SamplingParams(

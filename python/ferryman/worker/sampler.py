@@ -90,12 +90,16 @@ def gather_logprobs(
     return out
 
 
-class SamplingTable:
-    """Every live request's sampling parameters as numpy columns, indexed by its core id (a
-    small integer the engine reuses), so one step's parameters are one gather per column rather
-    than tensors built from Python lists; and counts that let an all-greedy step skip them."""
+ROW_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "seed")
 
-    def __init__(self, capacity: int = 64) -> None:
+
+class SamplingTable:
+    """Every live request's sampling parameters, written once: as numpy columns indexed by its
+    core id (a small integer the engine reuses), and, when it takes a row of the persistent batch,
+    copied into per-row tensors on the device (``add_rows``), which the sampler reads by row. No
+    step builds parameter tensors from Python lists; counts let an all-greedy step skip them."""
+
+    def __init__(self, max_num_seqs: int, device: torch.device, capacity: int = 64) -> None:
         self.temperature = np.zeros(capacity, np.float32)
         self.top_k = np.full(capacity, -1, np.int64)
         self.top_p = np.ones(capacity, np.float32)
@@ -104,6 +108,10 @@ class SamplingTable:
         self.logprobs = np.full(capacity, -1, np.int64)
         self.num_random = 0  # live requests with temperature > 0
         self.num_logprobs = 0  # live requests that want logprobs
+        self.device = device
+        self.by_row = {
+            c: torch.zeros(max_num_seqs, dtype=_dtype(getattr(self, c)), device=device) for c in ROW_COLUMNS
+        }
 
     def set(self, i: int, p: SamplingParams, seed: int) -> None:
         if i >= len(self.seed):
@@ -130,30 +138,51 @@ class SamplingTable:
         self.num_logprobs -= bool(self.logprobs[i] >= 0)
         self.temperature[i], self.logprobs[i] = 0.0, -1
 
+    def add_rows(self, rows: np.ndarray, ids: np.ndarray) -> None:
+        """Rows taken in this step (``SchedulerOutput.rows_added``) by requests ``ids``: their
+        parameters go into the per-row tensors, one copy per column."""
+        top = int(rows.max()) + 1
+        if top > len(self.by_row["seed"]):  # a scheduler with more rows than we were told
+            self.by_row = {
+                c: torch.cat([t, torch.zeros(top - len(t), dtype=t.dtype, device=t.device)])
+                for c, t in self.by_row.items()
+            }
+        r = torch.from_numpy(rows.astype(np.int64)).to(self.device)
+        for c, t in self.by_row.items():
+            t[r] = torch.from_numpy(getattr(self, c)[ids]).to(self.device)
+
     def sample(
-        self, logits: torch.Tensor, ids: np.ndarray, seq_indices: np.ndarray, positions: np.ndarray
+        self,
+        logits: torch.Tensor,
+        rows: np.ndarray,
+        ids: np.ndarray,
+        seq_indices: np.ndarray,
+        positions: np.ndarray,
     ) -> tuple[torch.Tensor, list[dict[int, float] | None] | None]:
-        """One token per row of ``logits`` for requests ``ids`` (forks ``seq_indices``, sampling
-        the token at ``positions``), and the rows' logprobs when any live request wants them."""
+        """One token per row of ``logits``: sample i is of batch row ``rows[i]``, request
+        ``ids[i]``, fork ``seq_indices[i]``, sampling the token at ``positions[i]``; and the
+        samples' logprobs when any live request wants them."""
         if self.num_random == 0:
             tokens = logits.argmax(dim=-1).to(torch.int32)
         else:
             dev = logits.device
-            seeds = self.seed[ids] + 1000003 * seq_indices.astype(np.int64)
-            temperature, top_k, top_p, min_p = (
-                torch.from_numpy(c[ids]).to(dev)
-                for c in (self.temperature, self.top_k, self.top_p, self.min_p)
-            )
+            r = torch.from_numpy(rows.astype(np.int64)).to(dev)
+            p = {c: t[r] for c, t in self.by_row.items()}
+            forks = torch.from_numpy(seq_indices.astype(np.int64)).to(dev)
             tokens = sample(
                 logits,
-                temperature,
-                top_k,
-                top_p,
-                min_p,
-                torch.from_numpy(seeds).to(dev),
+                p["temperature"],
+                p["top_k"],
+                p["top_p"],
+                p["min_p"],
+                p["seed"] + 1000003 * forks,
                 torch.from_numpy(positions.astype(np.int64)).to(dev),
             )
         if self.num_logprobs == 0:
             return tokens, None
         wanted = [None if n < 0 else n for n in self.logprobs[ids].tolist()]
         return tokens, gather_logprobs(logits, tokens, wanted)
+
+
+def _dtype(col: np.ndarray) -> torch.dtype:
+    return torch.int64 if col.dtype == np.int64 else torch.float32

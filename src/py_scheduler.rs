@@ -109,7 +109,7 @@ impl PyScheduler {
         Ok(self.inner.abort_request(req_id_of(req_id)?))
     }
 
-    /// Finishes a live request for a reason found in Python (a stop string).
+    /// Finishes a live request (or one fork) for a reason found outside the core.
     #[pyo3(signature = (req_id, reason, seq_index=None))]
     fn finish_request(&mut self, req_id: i64, reason: &str, seq_index: Option<u32>) -> PyResult<()> {
         let reason = match reason {

@@ -1,8 +1,8 @@
 //! `Detok`: one sequence's incremental detokenizer, on owned state (no borrow of the tokenizer),
 //! so it can live in the request arena.
 //!
-//! Semantics are those of ferryman's Python `IncrementalDetokenizer` (vLLM's prefix/read offsets):
-//! text is emitted token by token; nothing is emitted while the text since the last emission ends
+//! Semantics are those of the Python detokenizer this replaced (vLLM's prefix/read offsets): text
+//! is emitted token by token; nothing is emitted while the text since the last emission ends
 //! in U+FFFD (an incomplete UTF-8 character, or a replacement character that a later token may
 //! still change), and `flush` emits that held text as the full decode shows it. The emitted
 //! pieces concatenate to `tokenizer.decode(ids, skip_special_tokens=True)`.

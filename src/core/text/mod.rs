@@ -8,8 +8,8 @@
 //!   released. `push` adds a token and reports a stop-string match; `take_delta` appends the text
 //!   a stream may send now to a step-wide buffer; `finish` flushes and releases everything.
 //!
-//! Semantics (ferryman's Python `IncrementalDetokenizer` + `Engine._append`, vLLM's stop strings
-//! with `include_stop_str_in_output = false`): all deltas of a sequence concatenate to
+//! Semantics (those of the Python detokenizer and stop-string check this replaced; vLLM's stop
+//! strings with `include_stop_str_in_output = false`): all deltas of a sequence concatenate to
 //! `decode(output_ids, skip_special_tokens=True)`, cut at the earliest stop-string match. Text
 //! that could still begin a stop string is held back until it cannot, so nothing released is
 //! ever cut later.

@@ -148,7 +148,7 @@ fn finish_flushes_an_incomplete_character() {
 }
 
 /// The reference: the first token after which any stop string occurs in the text so far ends
-/// the stream, cut at the earliest such occurrence (Python's `Engine._append`).
+/// the stream, cut at the earliest such occurrence (as the Python engine did before).
 fn expected_with_stops(tok: &Tokenizer, ids: &[u32], stops: &[&str]) -> (String, Option<usize>) {
     let (deltas, _) = stream(tok, ids, &[]);
     let mut text = String::new();

@@ -115,5 +115,5 @@ class StepResult:
     step's statistics, and the preemptions it made."""
 
     outputs: list[RequestOutput]
-    stats: StepStats | None = None  # None when there was nothing to schedule
+    stats: StepStats | None = None  # always set by Engine.step(); None only where built by hand
     preemptions: list[PreemptionEvent] = field(default_factory=list)

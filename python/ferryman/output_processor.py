@@ -29,11 +29,7 @@ class RequestState:
     outputs: list[CompletionOutput] = field(default_factory=list)
     logprobs: list[list[Logprobs]] = field(default_factory=list)  # per fork, "final_only" only
     num_finished: int = 0
-
-    @property
-    def per_row(self) -> bool:
-        """Whether each of its rows needs Python work (not just its finish)."""
-        return self.params.output_kind != "final_only" or self.params.logprobs is not None
+    per_row: bool = False  # each of its rows needs Python work, not just its finish (set by add)
 
 
 class OutputProcessor:
@@ -42,6 +38,7 @@ class OutputProcessor:
         self._num_per_row = 0
 
     def add(self, core_id: int, st: RequestState) -> None:
+        st.per_row = st.params.output_kind != "final_only" or st.params.logprobs is not None
         st.outputs = [CompletionOutput(index=k) for k in range(st.params.n)]
         if st.params.logprobs is not None and st.params.output_kind == "final_only":
             st.logprobs = [[] for _ in range(st.params.n)]

@@ -194,12 +194,6 @@ impl StepOutputs {
         self.num_output_tokens.push(num_output as u32);
         self.text_offsets.push(self.text.len() as u32);
     }
-
-    /// Row `i`'s new text.
-    pub fn text_of(&self, i: usize) -> &str {
-        let (a, b) = (self.text_offsets[i] as usize, self.text_offsets[i + 1] as usize);
-        std::str::from_utf8(&self.text[a..b]).expect("rows hold whole characters")
-    }
 }
 
 /// Why a preemption used the mode it did.

@@ -46,6 +46,20 @@ def test_greedy_matches_transformers(models: dict[str, Path], kind: str) -> None
     assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
 
 
+def ample_and_tight(path: str, mode: str) -> tuple[Engine, Engine]:
+    """An engine whose pool holds everything, and one small enough to force preemption in ``mode``."""
+    ample = Engine(path, block_size=4, num_device_blocks=256, num_host_blocks=0)
+    tight = Engine(
+        path,
+        block_size=4,
+        num_device_blocks=24,
+        num_host_blocks=32,
+        max_num_batched_tokens=16,
+        preemption_mode=mode,
+    )
+    return ample, tight
+
+
 def shared_prefix_prompts() -> list[list[int]]:
     base = list(range(20, 44))  # 24 tokens: 6 full blocks shared by every prompt
     return [*([*base, i, i + 1, i + 2] for i in range(6)), base[:10]]
@@ -59,16 +73,8 @@ def test_forced_preemption_gives_identical_greedy_output(models: dict[str, Path]
         SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, n=2 if i == 2 else 1)
         for i in range(7)
     ]
-    ample = Engine(path, block_size=4, num_device_blocks=256, num_host_blocks=0)
+    ample, tight = ample_and_tight(path, mode)
     want = [[c.token_ids for c in o.outputs] for o in ample.generate(prompts, params)]
-    tight = Engine(
-        path,
-        block_size=4,
-        num_device_blocks=24,
-        num_host_blocks=32,
-        max_num_batched_tokens=16,
-        preemption_mode=mode,
-    )
     for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
         tight.add_request(str(i), prompt, dataclasses.replace(sp, output_kind="final_only"))
     done, events = {}, []
@@ -100,16 +106,8 @@ def test_seeded_sampling_survives_forced_preemption(models: dict[str, Path], mod
         SamplingParams(temperature=0.9, top_k=20, top_p=0.95, seed=100 + i, max_tokens=16, ignore_eos=True)
         for i in range(len(prompts))
     ]
-    ample = Engine(path, block_size=4, num_device_blocks=256, num_host_blocks=0)
+    ample, tight = ample_and_tight(path, mode)
     want = [o.outputs[0].token_ids for o in ample.generate(prompts, params)]
-    tight = Engine(
-        path,
-        block_size=4,
-        num_device_blocks=24,
-        num_host_blocks=32,
-        max_num_batched_tokens=16,
-        preemption_mode=mode,
-    )
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, params)]
     assert tight.stats()["num_preemptions"] > 0, "the pool must force preemption"
     assert got == want

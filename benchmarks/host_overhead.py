@@ -1,5 +1,6 @@
 """Host time of ``Engine.step()`` outside the model forward, per output token, at a full decode batch.
 
+Measured with async scheduling off (the forward then runs inline, so it can be subtracted).
 A tiny random Llama (``tests/python/tiny_models.py``, with its byte-level BPE tokenizer) is built
 in a temp folder; ``--requests`` requests (default 256) of a 16-token text prompt all decode
 together on CPU. After a warm-up (every prompt prefilled, then a few decode steps), ``--steps``
@@ -50,6 +51,7 @@ from typing import Any
 import torch
 
 from ferryman.engine import Engine
+from ferryman.engine_args import EngineArgs
 from ferryman.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +60,9 @@ PHASES = ("schedule", "update", "sample", "outputs")  # then "rest"
 PROMPT_LEN, BLOCK = 16, 16
 WARMUP_DECODE_STEPS = 4
 NEVER = ["\x00never-stop-1\x00", "\x00never-stop-2\x00"]  # a random model never prints these
+# the host time is the step's wall time minus the forward's: measured with overlap off (an engine
+# from before async scheduling has no such knob and is synchronous anyway)
+SYNC = {"async_scheduling": False} if "async_scheduling" in EngineArgs.__dataclass_fields__ else {}
 
 
 class Timer:
@@ -181,6 +186,7 @@ def run(
         max_model_len=PROMPT_LEN + max_tokens,
         calibrate=False,
         seed=0,
+        **SYNC,
     )
     for i in range(requests):
         engine.add_request(f"r{i}", prompt(i), params(scenario, i, max_tokens, kind))

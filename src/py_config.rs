@@ -21,7 +21,7 @@ impl PySchedulerConfig {
         max_num_batched_tokens=None, max_num_seqs=None, max_model_len=None,
         enable_chunked_prefill=None, enable_prefix_caching=None, preemption_mode=None,
         policy=None, watermark=None, bytes_per_block=None, host_link_bytes_per_s=None,
-        prefill_tokens_per_s=None))]
+        prefill_tokens_per_s=None, async_scheduling=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         block_size: Option<usize>,
@@ -38,6 +38,7 @@ impl PySchedulerConfig {
         bytes_per_block: Option<f64>,
         host_link_bytes_per_s: Option<f64>,
         prefill_tokens_per_s: Option<f64>,
+        async_scheduling: Option<bool>,
     ) -> PyResult<Self> {
         let d = SchedulerConfig::default();
         let inner = SchedulerConfig {
@@ -61,6 +62,7 @@ impl PySchedulerConfig {
             bytes_per_block: bytes_per_block.unwrap_or(d.bytes_per_block),
             host_link_bytes_per_s: host_link_bytes_per_s.unwrap_or(d.host_link_bytes_per_s),
             prefill_tokens_per_s: prefill_tokens_per_s.unwrap_or(d.prefill_tokens_per_s),
+            async_scheduling: async_scheduling.unwrap_or(d.async_scheduling),
         };
         inner.validate().map_err(to_pyerr)?;
         Ok(Self { inner })
@@ -122,13 +124,17 @@ impl PySchedulerConfig {
     fn prefill_tokens_per_s(&self) -> f64 {
         self.inner.prefill_tokens_per_s
     }
+    #[getter]
+    fn async_scheduling(&self) -> bool {
+        self.inner.async_scheduling
+    }
 
     fn __repr__(&self) -> String {
         let c = &self.inner;
         format!(
             "SchedulerConfig(block_size={}, num_device_blocks={}, num_host_blocks={}, \
              max_num_batched_tokens={}, max_num_seqs={}, max_model_len={}, enable_chunked_prefill={}, \
-             enable_prefix_caching={}, preemption_mode='{}', policy='{}', watermark={})",
+             enable_prefix_caching={}, preemption_mode='{}', policy='{}', watermark={}, async_scheduling={})",
             c.block_size,
             c.num_device_blocks,
             c.num_host_blocks,
@@ -139,7 +145,8 @@ impl PySchedulerConfig {
             if c.enable_prefix_caching { "True" } else { "False" },
             c.preemption_mode.as_str(),
             c.policy.as_str(),
-            c.watermark
+            c.watermark,
+            if c.async_scheduling { "True" } else { "False" }
         )
     }
 }

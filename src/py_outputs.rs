@@ -90,6 +90,8 @@ pub struct PySchedulerOutput {
     seq_lens: Array<i32>,
     kv_indptr: Array<i32>,
     kv_last_page_len: Array<i32>,
+    inflight_token_indices: Array<i32>,
+    inflight_sample_indices: Array<i32>,
     logits_indices: Array<i64>,
     sample_req_ids: Array<i64>,
     sample_seq_indices: Array<i32>,
@@ -141,6 +143,8 @@ impl PySchedulerOutput {
             seq_lens: Lazy::Rust(o.seq_lens),
             kv_indptr: Lazy::Rust(o.kv_indptr),
             kv_last_page_len: Lazy::Rust(o.kv_last_page_len),
+            inflight_token_indices: Lazy::Rust(o.inflight_token_indices),
+            inflight_sample_indices: Lazy::Rust(o.inflight_sample_indices),
             logits_indices: Lazy::Rust(o.logits_indices),
             sample_req_ids: Lazy::Rust(o.sample_req_ids),
             sample_seq_indices: Lazy::Rust(o.sample_seq_indices),
@@ -169,7 +173,7 @@ pymethods_with_array_getters!(PySchedulerOutput;
         kv_indptr: i32, kv_last_page_len: i32, logits_indices: i64,
         sample_req_ids: i64, sample_seq_indices: i32, preempted_req_ids: i64, finished_req_ids: i64, rows: i32,
         rows_removed: i32, rows_added: i32, added_req_ids: i64, added_seq_indices: i32, table_rows: i32,
-        table_cols: i32, table_blocks: i32;
+        table_cols: i32, table_blocks: i32, inflight_token_indices: i32, inflight_sample_indices: i32;
     pairs: blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy;
     fn __repr__(&self) -> String {
         format!(

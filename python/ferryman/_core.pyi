@@ -35,7 +35,8 @@ class SchedulerConfig:
     A keyword left out (or None) takes the core's default (``SchedulerConfig()`` shows them; the Engine's
     are ``ferryman.EngineArgs``). ``num_device_blocks`` counts usable blocks (the null block 0 is
     extra). ``bytes_per_block``, ``host_link_bytes_per_s`` and ``prefill_tokens_per_s`` are the
-    ``auto`` mode's cost model.
+    ``auto`` mode's cost model. ``async_scheduling`` lets ``schedule()`` plan step N+1 while
+    step N still awaits ``update()``.
     """
 
     def __new__(
@@ -55,6 +56,7 @@ class SchedulerConfig:
         bytes_per_block: float | None = None,
         host_link_bytes_per_s: float | None = None,
         prefill_tokens_per_s: float | None = None,
+        async_scheduling: bool | None = None,
     ) -> SchedulerConfig: ...
     @property
     def block_size(self) -> int: ...
@@ -84,6 +86,8 @@ class SchedulerConfig:
     def host_link_bytes_per_s(self) -> float: ...
     @property
     def prefill_tokens_per_s(self) -> float: ...
+    @property
+    def async_scheduling(self) -> bool: ...
 
 @final
 class SchedulerOutput:
@@ -112,6 +116,13 @@ class SchedulerOutput:
     @property
     def kv_last_page_len(self) -> npt.NDArray[np.int32]:
         """int32 [B]: tokens in each row's last block, 1..block_size."""
+    @property
+    def inflight_token_indices(self) -> npt.NDArray[np.int32]:
+        """int32 [P]: with async scheduling, places in input_ids (laid out as -1) whose token is
+        the previous step's sample inflight_sample_indices[i], still in flight."""
+    @property
+    def inflight_sample_indices(self) -> npt.NDArray[np.int32]:
+        """int32 [P]: index among the previous step's samples filling inflight_token_indices[i]."""
     @property
     def logits_indices(self) -> npt.NDArray[np.int64]:
         """int64 [S]: token row whose logits each sample uses (a row repeats for n > 1)."""
@@ -205,7 +216,8 @@ class StepOutputs:
         """[S]: None, or why this token finished the sequence."""
     @property
     def num_output_tokens(self) -> npt.NDArray[np.uint32]:
-        """uint32 [S]: the row's sequence's output tokens, this one included."""
+        """uint32 [S]: the row's sequence's output tokens, this one included; 0 marks a dropped
+        sample (its sequence was aborted or finished after the step was planned)."""
     @property
     def deltas(self) -> list[str]:
         """[S]: the text each row releases now ("" without detokenization). Stop strings are cut
@@ -255,7 +267,7 @@ class Scheduler:
         appear."""
     def schedule(self) -> SchedulerOutput: ...
     def update(self, sampled_token_ids: npt.ArrayLike) -> StepOutputs:
-        """One int32 token per entry of the last logits_indices, in order."""
+        """One int32 token per entry of the oldest pending step's logits_indices, in order."""
     def abort_request(self, req_id: int) -> bool: ...
     def finish_request(self, req_id: int, reason: str, seq_index: int | None = None) -> None: ...
     def has_unfinished_requests(self) -> bool: ...

@@ -1,14 +1,26 @@
 """Engine: loads a model, owns the KV tensors, and runs steps — ``schedule()`` in Rust, the plans
 and the forward in torch, sampling, then ``update()`` in Rust, which also detokenizes and applies
 stop strings; the output processor hands out ``RequestOutput`` objects. The API mirrors vLLM's
-``LLM`` (``generate``) and ``LLMEngine`` (``add_request`` / ``step``)."""
+``LLM`` (``generate``) and ``LLMEngine`` (``add_request`` / ``step``).
+
+With ``async_scheduling`` (the default) the forward and sampling of each step run in one worker
+thread (torch releases the GIL; on CUDA the thread only launches work, and the sampled ids come
+back through pinned memory and an event), and ``step()`` keeps one step in flight: it plans and
+submits step N+1, then applies step N's samples (``update()``, text, outputs) while N+1 computes.
+Decode inputs of N+1 that are N's samples are filled on the device. A sequence that stops in step
+N has its extra token of N+1 dropped by the core; core ids (which index the sampling table) are
+reused only once no step in flight can name them. ``step()`` then returns the outputs of the
+step before the one it planned."""
 
 from __future__ import annotations
 
 import dataclasses
 import random
 import time
+from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
@@ -20,8 +32,19 @@ from ferryman.output_processor import OutputProcessor, RequestState
 from ferryman.outputs import PreemptionEvent, RequestMetrics, RequestOutput, StepResult, StepStats
 from ferryman.sampling_params import SamplingParams
 from ferryman.worker.sampler import SamplingTable
+from ferryman.worker.step_worker import Sampled, StepWorker
 
 Prompt = str | Sequence[int]
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A planned step whose forward was submitted; ``release``: core ids to reuse once it is
+    applied."""
+
+    plan: Any  # SchedulerOutput
+    result: Future[Sampled]
+    release: list[int] = field(default_factory=list)
 
 
 class Engine:
@@ -48,6 +71,8 @@ class Engine:
         self._next_id = 0
         self._num_added = 0
         self.peak_blocks_used = 0
+        self._inflight: deque[_InFlight] = deque()
+        self._worker = StepWorker(self.runner, self._sampling, threaded=args.async_scheduling)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> Engine:
@@ -118,10 +143,11 @@ class Engine:
         if st is not None:
             del self._core_ids[st.request_id]
         self._sampling.clear(core_id)
-        self._free_ids.append(core_id)
+        # a step in flight may still name the id: reuse it only after the newest is applied
+        (self._inflight[-1].release if self._inflight else self._free_ids).append(core_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._inflight)
 
     def stats(self) -> dict[str, Any]:
         """Cumulative counters and current gauges (events come with each ``StepResult``)."""
@@ -140,7 +166,25 @@ class Engine:
 
     def step(self) -> StepResult:
         """Runs one step: the outputs it produced (per request's ``output_kind``; finished ones
-        marked), its statistics and its preemptions."""
+        marked), its statistics and its preemptions. With async scheduling, plans and submits
+        the next step first and returns the outputs of the one before it."""
+        if not self._worker.threaded:
+            plan = self._plan()
+            return self._apply(plan, self._worker.run(plan, self._sampling.args(plan)))
+        while len(self._inflight) < 2 and self.scheduler.has_unfinished_requests():
+            plan = self._plan()
+            self._inflight.append(_InFlight(plan, self._worker.submit(plan, self._sampling.args(plan))))
+        if not self._inflight:  # nothing to run: an empty step, as without async scheduling
+            plan = self._plan()
+            return self._apply(plan, self._worker.run(plan, self._sampling.args(plan)))
+        done = self._inflight.popleft()
+        try:
+            return self._apply(done.plan, done.result.result())
+        finally:
+            self._free_ids.extend(done.release)
+
+    def _plan(self) -> Any:
+        """``schedule()`` and the bookkeeping of the planned step."""
         out = self.scheduler.schedule()
         now = time.monotonic()
         reqs = self._outputs.reqs
@@ -153,28 +197,22 @@ class Engine:
         self.peak_blocks_used = max(
             self.peak_blocks_used, self.kv.num_device_blocks - out.num_free_device_blocks
         )
-        if len(out.rows_added):
-            self._sampling.add_rows(out.rows_added, out.added_req_ids)
-        logits = self.runner.execute(out)
-        ids = out.sample_req_ids
-        if len(ids):
-            b = np.searchsorted(out.qo_indptr, out.logits_indices, side="right") - 1  # each sample's row
-            tokens, lps = self._sampling.sample(
-                logits, out.rows[b], ids, out.sample_seq_indices, out.seq_lens[b]
-            )
-            sampled = tokens.cpu().numpy()
-        else:
-            sampled, lps = np.zeros(0, np.int32), None
-        res = self.scheduler.update(sampled)
-        outputs = self._outputs.process(res, lps, time.monotonic())
+        return out
+
+    def _apply(self, out: Any, sampled: Sampled) -> StepResult:
+        """``update()`` with the step's samples, then its outputs, statistics and preemptions."""
+        res = self.scheduler.update(sampled.host_ids())
+        outputs = self._outputs.process(res, sampled.logprobs, time.monotonic())
         for ro in outputs:
             if ro.finished:
                 self._release(self._core_ids[ro.request_id])
+        reqs = self._outputs.reqs
         events = [
             PreemptionEvent(**e, request_id=st.request_id if (st := reqs.get(e["req_id"])) else None)
             for e in self.scheduler.drain_events()
         ]
-        return StepResult(outputs, StepStats.of(out, len(sampled)), events)
+        num_generated = int(np.count_nonzero(res.num_output_tokens))  # dropped samples count none
+        return StepResult(outputs, StepStats.of(out, num_generated), events)
 
     # -- offline batch -------------------------------------------------------------------------
 
@@ -205,6 +243,8 @@ class Engine:
                         bar.update(1)
         if bar is not None:
             bar.close()
+        while self._inflight and not self.scheduler.has_unfinished_requests():
+            self.step()  # a step planned before the last stop: only dropped samples are left
         return [final[rid] for rid in ids]
 
     def chat(

@@ -113,6 +113,7 @@ class SchedulerArgs:
         num_host_blocks: int,
         max_model_len: int,
         max_num_batched_tokens: int,
+        async_scheduling: bool = False,
         **cost_model: float,
     ) -> SchedulerConfig:
         """The core's config: these knobs plus the resolved sizes and the cost model's rates."""
@@ -127,6 +128,7 @@ class SchedulerArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             preemption_mode=self.preemption_mode,
             policy=self.policy,
+            async_scheduling=async_scheduling,
             **cost_model,
         )
 
@@ -151,6 +153,11 @@ class EngineArgs(SchedulerArgs):
         choices=ATTENTION_BACKENDS,
     )
     enforce_eager: bool = knob(False, "never replay CUDA graphs for decode steps (FlashInfer on CUDA)")
+    async_scheduling: bool = knob(
+        True,
+        "overlap: plan step N+1 and turn step N's tokens into text while step N+1's forward runs "
+        "(forward in a worker thread)",
+    )
     seed: int = knob(0, "engine seed: sampling seeds of requests that bring none")
     calibrate: bool = knob(True, "measure the host link and prefill rate at start-up for the cost model")
 

@@ -102,6 +102,7 @@ def build_parts(args: EngineArgs) -> EngineParts:
             num_host_blocks=num_host_blocks,
             max_model_len=max_model_len,
             max_num_batched_tokens=budget,
+            async_scheduling=args.async_scheduling,
             bytes_per_block=float(bpb),
             **calibration,
         )

@@ -95,7 +95,7 @@ class PreemptionEvent:
     req_id: int
     seq_index: int
     mode: str  # "recompute" | "swap"
-    reason: str  # "config" | "cost" | "host_full"
+    reason: str  # "config" | "cost" | "host_full" | "fork"
     for_req_id: int
     num_blocks_freed: int
     bytes_to_move: int

@@ -7,8 +7,9 @@
 //! The forks of a parallel-sampling request share one `req_id`; `indices(req_id)` lists them in
 //! the order they were made (the parent first).
 //!
-//! An index removed while a step is pending (between `schedule()` and `update()`) is deferred:
-//! the pending step may still name it, so it is reused only after `release_deferred()`.
+//! An index removed while steps are pending (between `schedule()` and `update()`) is deferred:
+//! a pending step may still name it, so it is reused only after the newest step pending at its
+//! removal is updated (`release_deferred(step)`).
 //!
 //! Invariants: an index is occupied, free or deferred, exactly one of them; `by_id` lists
 //! exactly the occupied indices, each under its request's `req_id`, and no empty list.
@@ -40,7 +41,7 @@ impl ReqIdx {
 pub struct RequestArena {
     reqs: Vec<Option<Request>>,
     free: Vec<ReqIdx>,
-    deferred: Vec<ReqIdx>,
+    deferred: Vec<(ReqIdx, u64)>,
     by_id: FxHashMap<u64, Vec<ReqIdx>>,
 }
 
@@ -122,8 +123,8 @@ impl RequestArena {
     }
 
     /// Removes the request at `idx`; also returns whether it was the last fork of its `req_id`.
-    /// With `defer`, the index is reused only after `release_deferred()`.
-    pub fn remove(&mut self, idx: ReqIdx, defer: bool) -> (Request, bool) {
+    /// With `defer = Some(step)`, the index is reused only after `release_deferred(step)`.
+    pub fn remove(&mut self, idx: ReqIdx, defer: Option<u64>) -> (Request, bool) {
         let r = self.reqs[idx.get()].take().expect("index holds a live request");
         let forks = self.by_id.get_mut(&r.req_id).expect("live request is indexed");
         forks.retain(|&i| i != idx);
@@ -131,17 +132,24 @@ impl RequestArena {
         if last {
             self.by_id.remove(&r.req_id);
         }
-        if defer {
-            self.deferred.push(idx);
-        } else {
-            self.free.push(idx);
+        match defer {
+            Some(step) => self.deferred.push((idx, step)),
+            None => self.free.push(idx),
         }
         (r, last)
     }
 
-    /// Makes the indices removed during a pending step reusable (after `update()`).
-    pub fn release_deferred(&mut self) {
-        self.free.append(&mut self.deferred);
+    /// Makes the indices deferred until step `step` (or earlier) reusable: call after its
+    /// `update()`.
+    pub fn release_deferred(&mut self, step: u64) {
+        let free = &mut self.free;
+        self.deferred.retain(|&(idx, s)| {
+            let keep = s > step;
+            if !keep {
+                free.push(idx);
+            }
+            keep
+        });
     }
 
     /// Every index ever handed out, with its request if it is live (`check_invariants`).

@@ -113,6 +113,9 @@ pub struct SchedulerConfig {
     pub host_link_bytes_per_s: f64,
     /// Prefill throughput in tokens per second (cost model).
     pub prefill_tokens_per_s: f64,
+    /// Allow `schedule()` while one step still awaits `update()`, so the host plans step N+1
+    /// during step N's forward (decode inputs then name step N's samples).
+    pub async_scheduling: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -135,6 +138,7 @@ impl Default for SchedulerConfig {
             host_link_bytes_per_s: 50e9,
             // A mid-size GPU prefilling an 8B model.
             prefill_tokens_per_s: 20_000.0,
+            async_scheduling: false,
         }
     }
 }
@@ -190,6 +194,16 @@ impl SchedulerConfig {
     #[inline]
     pub fn blocks_for(&self, num_tokens: usize) -> usize {
         crate::kv_cache_manager::blocks_for(num_tokens, self.block_size)
+    }
+
+    /// Steps that may await `update()` at once: 2 with `async_scheduling`, else 1.
+    #[inline]
+    pub fn max_steps_in_flight(&self) -> usize {
+        if self.async_scheduling {
+            2
+        } else {
+            1
+        }
     }
 
     /// Free device blocks that admission leaves untouched while others run.

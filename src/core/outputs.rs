@@ -39,6 +39,10 @@ pub struct SchedulerOutput {
     pub kv_indptr: Vec<i32>,
     /// [B] tokens in each row's last block (1..=block_size).
     pub kv_last_page_len: Vec<i32>,
+    /// [P] (async scheduling) places in `input_ids` whose token is still in flight (laid out
+    /// as -1), and each one's index among the previous step's samples, whose sampled id fills it.
+    pub inflight_token_indices: Vec<i32>,
+    pub inflight_sample_indices: Vec<i32>,
     /// [S] token row whose logits are sampled.
     pub logits_indices: Vec<i64>,
     /// [S] the caller's id of each sample.
@@ -205,15 +209,18 @@ pub enum PreemptionReason {
     Cost,
     /// Swap wanted but the host pool is short: fell back to recompute.
     HostFull,
+    /// An `n > 1` request whose prompt's samples were in flight, not yet forked: recompute only.
+    Fork,
 }
 
 impl PreemptionReason {
-    /// "config" | "cost" | "host_full", as events report it.
+    /// "config" | "cost" | "host_full" | "fork", as events report it.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Config => "config",
             Self::Cost => "cost",
             Self::HostFull => "host_full",
+            Self::Fork => "fork",
         }
     }
 }
@@ -256,7 +263,8 @@ mod tests {
 
     #[test]
     fn preemption_reasons_cross_as_the_contract_strings() {
-        let all = [PreemptionReason::Config, PreemptionReason::Cost, PreemptionReason::HostFull];
-        assert_eq!(all.map(PreemptionReason::as_str), ["config", "cost", "host_full"]);
+        let all =
+            [PreemptionReason::Config, PreemptionReason::Cost, PreemptionReason::HostFull, PreemptionReason::Fork];
+        assert_eq!(all.map(PreemptionReason::as_str), ["config", "cost", "host_full", "fork"]);
     }
 }

@@ -8,7 +8,12 @@
 //! A request with `TextParams` also owns its text state (`SeqText`): the detokenized output so
 //! far and its stop strings, advanced by the scheduler's `update()` with every token.
 //!
-//! Invariant: `num_computed_tokens <= token_ids.len()`; `token_ids` starts with the prompt.
+//! With async scheduling a step is planned before the previous step's samples are known: those
+//! samples are *in flight* (`num_inflight`), and a decode may compute the position of a token
+//! still in flight (its input is then the sample the runner holds).
+//!
+//! Invariant: `num_computed_tokens <= token_ids.len() + num_inflight`; `token_ids` starts with
+//! the prompt.
 
 use crate::text::SeqText;
 
@@ -121,6 +126,10 @@ pub struct Request {
     pub released_text: String,
     /// Its row of the persistent batch, while running and once scheduled.
     pub row: Option<u32>,
+    /// Samples of this sequence scheduled but not yet applied by `update()` (at most 2).
+    pub num_inflight: u32,
+    /// Index of its latest sample among the samples of the step that made it.
+    pub last_sample: u32,
 }
 
 impl Request {
@@ -148,6 +157,8 @@ impl Request {
             text: None, // the scheduler attaches it: it holds the tokenizer
             released_text: String::new(),
             row: None,
+            num_inflight: 0,
+            last_sample: 0,
             status: RequestStatus::Waiting,
             num_preemptions: 0,
             block_hashes: Vec::new(),
@@ -166,6 +177,12 @@ impl Request {
     #[inline]
     pub fn num_output_tokens(&self) -> usize {
         self.token_ids.len() - self.num_prompt_tokens
+    }
+
+    /// Tokens known or in flight: what the next step may compute up to.
+    #[inline]
+    pub fn num_tokens_scheduled(&self) -> usize {
+        self.token_ids.len() + self.num_inflight as usize
     }
 
     /// Longest this request can become.
@@ -211,6 +228,8 @@ mod tests {
             text: None,
             released_text: String::new(),
             row: None,
+            num_inflight: 0,
+            last_sample: 0,
         }
     }
 

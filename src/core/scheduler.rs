@@ -2,7 +2,8 @@
 //! the `RequestArena` (every live request, by `ReqIdx` and `req_id`), the `Queues` (`waiting`,
 //! `running`, `swapped`), the `KvCacheManager` (blocks, tables, prefix cache, swap space), and
 //! the persistent `Batch` (rows of running sequences).
-//! The scheduler itself owns the config, the step counter and plan awaiting `update()`, and the
+//! The scheduler itself owns the config, the step counter and the steps awaiting `update()` (one,
+//! or two with `async_scheduling`: then step N+1 is planned while step N runs), and the
 //! telemetry (events, counters, last step's stats), and the tokenizer that `update()` turns
 //! tokens into text with. This file holds the request lifecycle
 //! (`add_request`, `abort_request`, `finish_request`) and the accessors; the rest of its impl is
@@ -30,6 +31,7 @@ use crate::outputs::{Counters, PreemptionEvent, StepStats};
 use crate::queues::Queues;
 use crate::request::{FinishReason, Request, RequestParams, RequestStatus};
 use crate::text::{SeqText, Tokenizer};
+use std::collections::VecDeque;
 use step::PendingStep;
 
 /// A request scheduled in the step being planned.
@@ -61,7 +63,8 @@ pub struct Scheduler {
     batch: Batch,
     next_arrival: u64,
     step: u64,
-    pending: Option<PendingStep>,
+    /// Planned steps awaiting `update()`, oldest first.
+    pending: VecDeque<PendingStep>,
     finished_req_ids: Vec<i64>,
     events: Vec<PreemptionEvent>,
     counters: Counters,
@@ -85,7 +88,7 @@ impl Scheduler {
             batch,
             next_arrival: 0,
             step: 0,
-            pending: None,
+            pending: VecDeque::with_capacity(2),
             finished_req_ids: Vec::new(),
             events: Vec::new(),
             counters: Counters::default(),
@@ -200,8 +203,8 @@ impl Scheduler {
     /// Ends the request at `idx`: frees its blocks, leaves its queue, forgets it. When the last
     /// fork of a `req_id` ends, the id is reported in the next `finished_req_ids`.
     fn finish(&mut self, idx: ReqIdx, reason: FinishReason) {
-        // the pending step may still name the index: it is reused only after update()
-        let (r, last_fork) = self.reqs.remove(idx, self.pending.is_some());
+        // a pending step may still name the index: it is reused only after the newest is updated
+        let (r, last_fork) = self.reqs.remove(idx, self.pending.back().map(PendingStep::step));
         if reason == FinishReason::Abort {
             self.counters.num_forks_aborted += 1;
         }

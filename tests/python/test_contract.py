@@ -22,6 +22,8 @@ INT32_FIELDS = [
     "added_seq_indices",
     "table_rows",
     "table_cols",
+    "inflight_token_indices",
+    "inflight_sample_indices",
     "table_blocks",
 ]
 INT64_FIELDS = ["req_ids", "logits_indices", "sample_req_ids", "added_req_ids"]
@@ -161,6 +163,34 @@ def test_duplicate_ids_and_protocol_misuse() -> None:
     s.update(np.zeros(len(out.logits_indices), dtype=np.int32))  # the step is still pending
     assert s.abort_request(1) and not s.abort_request(1)
     assert ferryman.__version__
+
+
+def test_async_scheduling_plans_a_step_while_one_is_in_flight() -> None:
+    """With async_scheduling a second schedule() may come before the first update(): a decode
+    whose token is still in flight is laid out as -1 and names that step's sample; a stop found
+    one step late drops the extra sample; a third schedule() is refused."""
+    s = make(async_scheduling=True)
+    assert s.config.async_scheduling and "async_scheduling=True" in repr(s.config)
+    s.add_request(1, [1, 2, 3], 5, stop_token_ids=[8])
+    s.add_request(2, [4, 5], 5)
+    first = s.schedule()
+    assert list(first.sample_req_ids) == [1, 2] and len(first.inflight_token_indices) == 0
+    second = s.schedule()  # both decode the token sampled in `first`, still in flight
+    assert second.input_ids.tolist() == [-1, -1]
+    assert second.inflight_token_indices.dtype == np.int32
+    assert second.inflight_token_indices.tolist() == [0, 1]
+    assert second.inflight_sample_indices.tolist() == [0, 1]
+    with pytest.raises(EngineError, match="two steps"):
+        s.schedule()
+    res = s.update(np.array([8, 6], dtype=np.int32))  # request 1 stops on its first token
+    assert res.finish_reasons == ["stop", None] and res.num_output_tokens.tolist() == [1, 1]
+    third = s.schedule()
+    assert third.finished_req_ids.tolist() == [1] and third.req_ids.tolist() == [2]
+    res = s.update(np.array([5, 5], dtype=np.int32))  # request 1's sample is dropped
+    assert res.num_output_tokens.tolist() == [0, 2] and res.finish_reasons == [None, None]
+    s.update(np.array([7], dtype=np.int32))
+    s.check_invariants()
+    assert s.abort_request(2) and not s.has_unfinished_requests()
 
 
 def test_events_and_stats_report_a_preemption() -> None:

@@ -172,14 +172,20 @@ class DecodeGraphs:
             self._graphs[size] = (graph, attn, hidden)
         torch.cuda.synchronize(dev)
 
-    def run(self, out: StepInputs) -> torch.Tensor | None:
-        """Hidden states ``[B, hidden]`` of a decode-only step, or None when no graph fits."""
+    def run(
+        self, out: StepInputs, fill: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor | None:
+        """Hidden states ``[B, hidden]`` of a decode-only step, or None when no graph fits.
+        ``fill``: (places, token ids) on the device for inputs still in flight (async
+        scheduling), written over the staged ids before the replay."""
         rows = len(out.kv_indptr) - 1
         size = graph_size(self.sizes, rows)
         if size is None or out.num_scheduled_tokens != rows:
             return None
         graph, attn, hidden = self._graphs[size]
         attn.plan(out)
+        if fill is not None:
+            attn.inputs[0].index_copy_(0, fill[0], fill[1])
         graph.replay()
         return hidden[:rows]
 

@@ -3,12 +3,15 @@
 Order within a step: the persistent batch's block-table changes (``worker/block_table.py``, which
 also derives the step's positions, slots and page indices), the swap/copy plans, then the
 attention plan, then the forward, then the
-logits of ``logits_indices`` (a row repeats for n > 1). With FlashInfer and without
+logits of ``logits_indices`` (a row repeats for n > 1). With async scheduling a decode input may
+be a token still in flight (-1 in ``input_ids``): it is filled on the device from the previous
+step's sampled ids (``prev``), which the engine keeps there. With FlashInfer and without
 ``enforce_eager``, a decode-only step that fits a captured batch size replays a CUDA graph
 (``attention/flashinfer_graphs.py``) instead of the eager plan + forward."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ferryman._core import SchedulerOutput
@@ -61,21 +64,38 @@ class ModelRunner:
             self.graphs = DecodeGraphs(fi, model, capture_sizes(max_num_seqs), pages)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """float32 logits ``[S, vocab]``, S = len(out.logits_indices)."""
+    def execute(self, out: SchedulerOutput, prev: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits ``[S, vocab]``, S = len(out.logits_indices). ``prev``: the previous
+        step's sampled ids (int32, on the device) when this step's inputs name some."""
         step = self.block_table.step(out)
         self.kv.run_plans(
             out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy, step.slot_mapping
         )
         if out.num_scheduled_tokens == 0:
             return torch.empty((0, self.model.cfg.vocab_size), dtype=torch.float32)
-        hidden = self.graphs.run(step) if self.graphs is not None else None
+        fill = self._inflight_inputs(out, prev)
+        hidden = self.graphs.run(step, fill) if self.graphs is not None else None
         if hidden is not None:
             self.num_graph_steps += 1
         else:
             self.attn.plan(step)
             input_ids = torch.from_numpy(step.input_ids).to(self.device, torch.long)
+            if fill is not None:
+                input_ids[fill[0]] = fill[1]
             positions = torch.from_numpy(step.positions).to(self.device)
             hidden = self.model(input_ids, positions, self.attn)
         rows = hidden[torch.from_numpy(out.logits_indices).to(self.device)]
         return self.model.compute_logits(rows)
+
+    def _inflight_inputs(
+        self, out: SchedulerOutput, prev: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(places in ``input_ids``, token ids) of the inputs still in flight, on the device."""
+        if not len(out.inflight_token_indices):
+            return None
+        if prev is None:
+            raise RuntimeError("this step's inputs name samples of a step that did not run here")
+        dev = self.device
+        places = torch.from_numpy(out.inflight_token_indices.astype(np.int64)).to(dev)
+        src = torch.from_numpy(out.inflight_sample_indices.astype(np.int64)).to(dev)
+        return places, prev[src].long()

@@ -7,7 +7,8 @@ its own seed and position — never on the batch it ran in or on other requests.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -93,11 +94,27 @@ def gather_logprobs(
 ROW_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "seed")
 
 
+@dataclass(slots=True)
+class SampleArgs:
+    """What sampling one step needs from the table, taken when the step is planned (with async
+    scheduling the forward runs in a worker while the table changes for later steps): the
+    parameters of the rows this step takes, whether any live request samples at random, and
+    the logprobs each sample wants."""
+
+    rows_added: np.ndarray  # int64 [A]
+    added: dict[str, np.ndarray]  # column -> [A] values
+    any_random: bool
+    wanted: list[int | None] | None  # per sample: top-N logprobs, or None; None: no sample wants
+
+
 class SamplingTable:
     """Every live request's sampling parameters, written once: as numpy columns indexed by its
     core id (a small integer the engine reuses), and, when it takes a row of the persistent batch,
-    copied into per-row tensors on the device (``add_rows``), which the sampler reads by row. No
-    step builds parameter tensors from Python lists; counts let an all-greedy step skip them."""
+    copied into per-row tensors on the device (``write_rows``), which the sampler reads by row. No
+    step builds parameter tensors from Python lists; counts let an all-greedy step skip them.
+
+    ``args(out)`` runs when a step is planned; ``write_rows`` and ``sample`` when it runs, in
+    step order (the forward's thread, with async scheduling)."""
 
     def __init__(self, max_num_seqs: int, device: torch.device, capacity: int = 64) -> None:
         self.temperature = np.zeros(capacity, np.float32)
@@ -138,34 +155,44 @@ class SamplingTable:
         self.num_logprobs -= bool(self.logprobs[i] >= 0)
         self.temperature[i], self.logprobs[i] = 0.0, -1
 
-    def add_rows(self, rows: np.ndarray, ids: np.ndarray) -> None:
-        """Rows taken in this step (``SchedulerOutput.rows_added``) by requests ``ids``: their
-        parameters go into the per-row tensors, one copy per column."""
-        top = int(rows.max()) + 1
+    def args(self, out: Any) -> SampleArgs:
+        """What sampling the planned step ``out`` (a ``SchedulerOutput``) needs from the table."""
+        ids = out.added_req_ids
+        added = {c: getattr(self, c)[ids] for c in ROW_COLUMNS} if len(ids) else {}
+        wanted = None
+        if self.num_logprobs:
+            wanted = [None if n < 0 else n for n in self.logprobs[out.sample_req_ids].tolist()]
+        return SampleArgs(out.rows_added.astype(np.int64), added, self.num_random > 0, wanted)
+
+    def write_rows(self, a: SampleArgs) -> None:
+        """The rows the step takes get their requests' parameters, one copy per column."""
+        if not len(a.rows_added):
+            return
+        top = int(a.rows_added.max()) + 1
         if top > len(self.by_row["seed"]):  # a scheduler with more rows than we were told
             self.by_row = {
                 c: torch.cat([t, torch.zeros(top - len(t), dtype=t.dtype, device=t.device)])
                 for c, t in self.by_row.items()
             }
-        r = torch.from_numpy(rows.astype(np.int64)).to(self.device)
+        r = torch.from_numpy(a.rows_added).to(self.device)
         for c, t in self.by_row.items():
-            t[r] = torch.from_numpy(getattr(self, c)[ids]).to(self.device)
+            t[r] = torch.from_numpy(a.added[c]).to(self.device)
 
     def sample(
         self,
         logits: torch.Tensor,
         rows: np.ndarray,
-        ids: np.ndarray,
         seq_indices: np.ndarray,
         positions: np.ndarray,
+        a: SampleArgs,
     ) -> tuple[torch.Tensor, list[dict[int, float] | None] | None]:
-        """One token per row of ``logits``: sample i is of batch row ``rows[i]``, request
-        ``ids[i]``, fork ``seq_indices[i]``, sampling the token at ``positions[i]``; and the
-        samples' logprobs when any live request wants them."""
-        if self.num_random == 0 and logits.device.type == "cpu":
+        """One token per row of ``logits``: sample i is of batch row ``rows[i]``, fork
+        ``seq_indices[i]``, sampling the token at ``positions[i]``; and the samples' logprobs
+        when any wants them."""
+        if not a.any_random and logits.device.type == "cpu":
             # numpy's argmax: ~6x faster than torch's on CPU at [256, vocab] (no thread pool)
             tokens = torch.from_numpy(logits.numpy().argmax(axis=-1).astype(np.int32))
-        elif self.num_random == 0:
+        elif not a.any_random:
             tokens = logits.argmax(dim=-1).to(torch.int32)
         else:
             dev = logits.device
@@ -181,10 +208,9 @@ class SamplingTable:
                 p["seed"] + 1000003 * forks,
                 torch.from_numpy(positions.astype(np.int64)).to(dev),
             )
-        if self.num_logprobs == 0:
+        if a.wanted is None:
             return tokens, None
-        wanted = [None if n < 0 else n for n in self.logprobs[ids].tolist()]
-        return tokens, gather_logprobs(logits, tokens, wanted)
+        return tokens, gather_logprobs(logits, tokens, a.wanted)
 
 
 def _dtype(col: np.ndarray) -> torch.dtype:

@@ -28,8 +28,15 @@ impl Scheduler {
             };
             num_live += 1;
             let id = format!("request {} fork {}", r.req_id, r.seq_index);
-            if r.num_computed_tokens > r.num_tokens() {
+            if r.num_computed_tokens > r.num_tokens_scheduled() {
                 return Err(format!("{id} computed more tokens than it has"));
+            }
+            if r.num_inflight as usize > self.pending.len() {
+                return Err(format!(
+                    "{id} has {} samples in flight in {} pending steps",
+                    r.num_inflight,
+                    self.pending.len()
+                ));
             }
             let queues = self.queues.count(idx);
             match r.status {

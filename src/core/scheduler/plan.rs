@@ -11,6 +11,12 @@
 //!
 //! The passes fill a `StepPlan`; `build_output` (`step.rs`) lays it out as arrays.
 //!
+//! With `async_scheduling`, a step may be planned while the previous one still runs; its
+//! samples are in flight. A running decode then computes the position of its in-flight token,
+//! except an unforked `n > 1` parent (it forks when its samples arrive) and a sequence whose
+//! in-flight token may be its last. A waiting or swapped request with a sample in flight (it was
+//! preempted after that step was planned) is not admitted before its sample arrives.
+//!
 //! Invariants: the step's tokens stay within `max_num_batched_tokens` and the running sequences
 //! within `max_num_seqs`; a step never both swaps out and swaps in.
 
@@ -25,8 +31,12 @@ use crate::request::{Request, RequestStatus};
 impl Scheduler {
     /// Plans one step. Fails if the previous step was not `update()`d.
     pub fn schedule(&mut self) -> CoreResult<SchedulerOutput> {
-        if self.pending.is_some() {
-            return Err(CoreError::OutOfOrder("schedule() called twice without update() in between"));
+        if self.pending.len() >= self.cfg.max_steps_in_flight() {
+            return Err(CoreError::OutOfOrder(if self.cfg.async_scheduling {
+                "schedule() called with two steps awaiting update()"
+            } else {
+                "schedule() called twice without update() in between"
+            }));
         }
         let started = Instant::now();
         let (num_waiting, num_running, num_swapped) = self.queues.lens();
@@ -59,7 +69,13 @@ impl Scheduler {
             let idx = self.queues.running()[i];
             let r = self.reqs.get(idx);
             let (req_id, num_computed) = (r.req_id, r.num_computed_tokens);
-            let Some(num_new) = self.chunk(r.num_tokens() - num_computed, plan.budget) else {
+            if r.num_inflight > 0
+                && (r.num_pending_forks > 1 || r.num_tokens_scheduled() >= r.max_len().min(self.cfg.max_model_len))
+            {
+                i += 1; // forks, or may finish, when its sample arrives
+                continue;
+            }
+            let Some(num_new) = self.chunk(r.num_tokens_scheduled() - num_computed, plan.budget) else {
                 i += 1;
                 continue;
             };
@@ -87,7 +103,9 @@ impl Scheduler {
     fn schedule_swapped(&mut self, plan: &mut StepPlan) {
         while let Some(idx) = self.queues.next_swapped() {
             let r = self.reqs.get(idx);
-            if plan.budget == 0 || self.queues.num_running_seqs() + r.num_pending_forks as usize > self.cfg.max_num_seqs
+            if plan.budget == 0
+                || r.num_inflight > 0
+                || self.queues.num_running_seqs() + r.num_pending_forks as usize > self.cfg.max_num_seqs
             {
                 break;
             }
@@ -138,7 +156,9 @@ impl Scheduler {
         let bs = self.cfg.block_size;
         while let Some(idx) = self.queues.next_waiting() {
             let r = self.reqs.get_mut(idx);
-            if plan.budget == 0 || self.queues.num_running_seqs() + r.num_pending_forks as usize > self.cfg.max_num_seqs
+            if plan.budget == 0
+                || r.num_inflight > 0
+                || self.queues.num_running_seqs() + r.num_pending_forks as usize > self.cfg.max_num_seqs
             {
                 break;
             }

@@ -122,7 +122,11 @@ impl Scheduler {
             dropped_cow = s.cow;
         }
         let cost = self.restore_cost(idx);
+        let r = self.reqs.get(idx);
+        // an unforked parent whose samples are in flight cannot keep them: it prefills again
+        let unforked_inflight = r.num_inflight > 0 && r.num_pending_forks > 1;
         let (mode, reason) = match (self.cfg.preemption_mode, cost.swap_s) {
+            _ if unforked_inflight => (PreemptionMode::Recompute, PreemptionReason::Fork),
             (PreemptionModeConfig::Recompute, _) => (PreemptionMode::Recompute, PreemptionReason::Config),
             (PreemptionModeConfig::Swap, Some(_)) => (PreemptionMode::Swap, PreemptionReason::Config),
             (PreemptionModeConfig::Swap, None) => (PreemptionMode::Recompute, PreemptionReason::HostFull),
@@ -145,6 +149,9 @@ impl Scheduler {
             PreemptionMode::Recompute => {
                 self.kv.free(idx);
                 r.num_computed_tokens = 0;
+                if unforked_inflight {
+                    r.num_inflight = 0; // its samples are dropped when they arrive
+                }
                 r.num_cached_blocks = 0;
                 r.status = RequestStatus::Waiting;
                 self.counters.num_preemptions_recompute += 1;

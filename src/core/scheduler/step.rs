@@ -4,15 +4,27 @@
 //! cache, forking `n > 1` requests, appending tokens, detokenizing them and checking stop
 //! conditions (token ids, lengths, stop strings).
 //!
-//! Between the two, the `PendingStep` (owned here) remembers the scheduled requests and the
-//! sample rows, by `ReqIdx`; a request finished meanwhile keeps its index until `update()`.
+//! `build_output` advances each scheduled request's `num_computed_tokens` at once (the KV is
+//! written by the time any later step reads it: steps run in order), and counts its samples in
+//! flight. Between the two halves, the `PendingStep` (owned here) remembers the scheduled
+//! requests, the end of what each computes, and the sample rows, by `ReqIdx`; a request finished
+//! meanwhile keeps its index until the step is updated. `update()` applies the oldest pending
+//! step; blocks enter the prefix cache only then, once their KV is written and their tokens known.
+//!
+//! A decode input whose token is still in flight (async scheduling) is laid out as -1, with its
+//! place in `inflight_token_indices` and its sample's index in the previous step in
+//! `inflight_sample_indices`: the runner fills it from that step's sampled ids on the device.
+//!
+//! A sample of a sequence no longer live when it is applied (aborted, or finished by the step
+//! before: a stop found one step late) is dropped: its row has `num_output_tokens == 0` and no
+//! finish reason.
 //!
 //! Hot path: one pass over the scheduled requests each way, O(1) per row plus the tokens of
 //! prompt chunks and the block-table entries the runner does not hold yet (a taken row's whole
 //! table, else a block now and then): the runner keeps each row's table (`batch.rs`) and derives
 //! positions, slots and page lists from it.
 
-use super::{Scheduled, Scheduler, StepPlan};
+use super::{Scheduler, StepPlan};
 use crate::arena::ReqIdx;
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache_manager::blocks_for;
@@ -28,11 +40,21 @@ struct Sample {
     seq_index: u32,
 }
 
-/// The step awaiting `update()`.
+/// A step awaiting `update()`.
 #[derive(Debug, Clone)]
 pub(super) struct PendingStep {
-    scheduled: Vec<Scheduled>,
+    /// Its number (`StepStats::step`).
+    step: u64,
+    /// Each scheduled request and the end of the positions it computes.
+    computed: Vec<(ReqIdx, usize)>,
     samples: Vec<Sample>,
+}
+
+impl PendingStep {
+    /// Its step number.
+    pub(super) fn step(&self) -> u64 {
+        self.step
+    }
 }
 
 impl Scheduler {
@@ -58,6 +80,7 @@ impl Scheduler {
             ..SchedulerOutput::default()
         };
         let mut samples = Vec::with_capacity(b);
+        let mut computed = Vec::with_capacity(b);
         o.qo_indptr.push(0);
         o.kv_indptr.push(0);
         let mut num_pages = 0;
@@ -91,7 +114,15 @@ impl Scheduler {
             o.req_ids.push(r.req_id as i64);
             o.seq_indices.push(r.seq_index as i32);
             if s.num_new == 1 {
-                o.input_ids.push(r.token_ids[start]);
+                match r.token_ids.get(start) {
+                    Some(&t) => o.input_ids.push(t),
+                    None => {
+                        // the token sampled for this position is still in flight
+                        o.inflight_token_indices.push(o.input_ids.len() as i32);
+                        o.inflight_sample_indices.push(r.last_sample as i32);
+                        o.input_ids.push(-1);
+                    }
+                }
             } else {
                 o.input_ids.extend_from_slice(&r.token_ids[start..end]);
             }
@@ -103,8 +134,10 @@ impl Scheduler {
             if let Some((src, dst)) = s.cow {
                 o.blocks_to_copy.push([src as i32, dst as i32]);
             }
-            if end == r.num_tokens() {
+            computed.push((s.req_idx, end));
+            if end == r.num_tokens_scheduled() {
                 let n = r.num_pending_forks;
+                let first = samples.len() as u32;
                 for k in 0..n {
                     let seq_index = if n > 1 { k } else { r.seq_index };
                     o.logits_indices.push(o.input_ids.len() as i64 - 1);
@@ -112,11 +145,16 @@ impl Scheduler {
                     o.sample_seq_indices.push(seq_index as i32);
                     samples.push(Sample { req_idx: s.req_idx, req_id: r.req_id, seq_index });
                 }
+                let r = self.reqs.get_mut(s.req_idx);
+                r.num_inflight += 1;
+                r.last_sample = first;
+                r.num_computed_tokens = end;
                 if s.num_new > 1 {
                     num_prefill_tokens += s.num_new;
                 }
             } else {
                 num_prefill_tokens += s.num_new;
+                self.reqs.get_mut(s.req_idx).num_computed_tokens = end;
             }
         }
         o.rows_removed = self.batch.take_removed();
@@ -138,41 +176,47 @@ impl Scheduler {
         self.counters.num_steps += 1;
         self.counters.num_scheduled_tokens += o.input_ids.len() as u64;
         self.counters.num_blocks_copied += o.blocks_to_copy.len() as u64;
-        self.pending = Some(PendingStep { scheduled: plan.scheduled, samples });
+        self.pending.push_back(PendingStep { step: self.step, computed, samples });
         o
     }
 
-    /// Applies one sampled token per sample row of the last `schedule()`, in its order.
+    /// Applies one sampled token per sample row of the oldest pending step, in its order.
     pub fn update(&mut self, sampled_token_ids: &[i32]) -> CoreResult<StepOutputs> {
         let started = std::time::Instant::now();
         let pending =
-            self.pending.take().ok_or(CoreError::OutOfOrder("update() called without a schedule() before it"))?;
+            self.pending.front().ok_or(CoreError::OutOfOrder("update() called without a schedule() before it"))?;
         if sampled_token_ids.len() != pending.samples.len() {
             let (expected, got) = (pending.samples.len(), sampled_token_ids.len());
-            self.pending = Some(pending);
             return Err(CoreError::BatchSizeMismatch { expected, got });
         }
         if let Some(i) = sampled_token_ids.iter().position(|&t| t < 0) {
-            let req_id = pending.samples[i].req_id;
-            self.pending = Some(pending);
             return Err(CoreError::InvalidRequest {
-                req_id,
+                req_id: pending.samples[i].req_id,
                 msg: format!("sampled token id {} < 0", sampled_token_ids[i]),
             });
         }
-        for s in &pending.scheduled {
-            self.advance(s.req_idx, s.num_new);
+        let pending = self.pending.pop_front().expect("checked above");
+        if self.cfg.enable_prefix_caching {
+            for &(idx, end) in &pending.computed {
+                self.cache_computed(idx, end);
+            }
         }
         let n = pending.samples.len();
         let mut out = StepOutputs::with_capacity(n);
         let mut i = 0;
         while i < n {
-            let Sample { req_idx: idx, req_id, seq_index } = pending.samples[i];
-            let alive = self.reqs.try_get(idx).is_some_and(|r| r.status == RequestStatus::Running);
-            if !alive {
-                out.push_row(req_id, seq_index, sampled_token_ids[i], Some(FinishReason::Abort), 0);
-                i += 1;
-            } else if self.reqs.get(idx).num_pending_forks == 1 {
+            let idx = pending.samples[i].req_idx;
+            let Some(r) = self.reqs.try_get_mut(idx).filter(|r| r.num_inflight > 0) else {
+                // not live, or preempted and recomputing its samples: drop (every fork's)
+                while i < n && pending.samples[i].req_idx == idx {
+                    let Sample { req_id, seq_index, .. } = pending.samples[i];
+                    out.push_row(req_id, seq_index, sampled_token_ids[i], None, 0);
+                    i += 1;
+                }
+                continue;
+            };
+            r.num_inflight -= 1;
+            if r.num_pending_forks == 1 {
                 self.append(idx, sampled_token_ids[i] as u32, &mut out);
                 i += 1;
             } else {
@@ -182,22 +226,19 @@ impl Scheduler {
                 }
             }
         }
-        self.reqs.release_deferred();
+        self.reqs.release_deferred(pending.step);
         self.counters.scheduler_ns += started.elapsed().as_nanos() as u64;
         Ok(out)
     }
 
-    /// The forward computed `num_new` more tokens of request `idx`: count them and cache full
-    /// blocks.
-    fn advance(&mut self, idx: ReqIdx, num_new: usize) {
+    /// A step computed request `idx` up to position `end`: cache its full blocks whose tokens
+    /// are known.
+    fn cache_computed(&mut self, idx: ReqIdx, end: usize) {
         let Some(r) = self.reqs.try_get_mut(idx).filter(|r| r.status == RequestStatus::Running) else {
-            return; // aborted or finished after schedule()
+            return; // aborted, finished or preempted after schedule()
         };
-        r.num_computed_tokens += num_new;
-        if !self.cfg.enable_prefix_caching {
-            return;
-        }
-        let num_full = r.num_computed_tokens >> self.cfg.block_size.trailing_zeros();
+        let known = end.min(r.num_tokens()).min(r.num_computed_tokens);
+        let num_full = known >> self.cfg.block_size.trailing_zeros();
         if num_full > r.num_cached_blocks {
             let known = &r.token_ids[..num_full * self.cfg.block_size];
             self.kv.hash_blocks(&mut r.block_hashes, known);

@@ -7,10 +7,11 @@
 //! `FERRYMAN_RANDOM_OPS` sets the number of operations (default 100,000) and
 //! `FERRYMAN_RANDOM_SEED` the first seed (default 0). Runs are deterministic for a seed.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
 use ferryman_core::{
-    FinishReason, Policy, PreemptionModeConfig, RequestParams, Scheduler, SchedulerConfig, SchedulerOutput,
+    FinishReason, Policy, PreemptionModeConfig, PreemptionReason, RequestParams, Scheduler, SchedulerConfig,
+    SchedulerOutput,
 };
 
 struct Rng(u64);
@@ -69,6 +70,13 @@ struct Harness {
     row_table: Vec<Vec<i32>>,
     next_id: u64,
     ops: usize,
+    /// Inputs filled from a sample in flight, and samples dropped (async scheduling).
+    num_inflight_inputs: u64,
+    num_dropped: u64,
+    num_fork_recomputes: u64,
+    /// Sampled ids of the planned steps not yet `update()`d, oldest first (two at most with
+    /// async scheduling).
+    inflight: VecDeque<Vec<i32>>,
 }
 
 const VOCAB: u64 = 3;
@@ -86,6 +94,10 @@ impl Harness {
             seqs: BTreeMap::new(),
             next_id: 0,
             ops: 0,
+            inflight: VecDeque::new(),
+            num_inflight_inputs: 0,
+            num_dropped: 0,
+            num_fork_recomputes: 0,
         }
     }
 
@@ -155,9 +167,22 @@ impl Harness {
         }
     }
 
+    /// The token and KV content of position `p` of sequence `key`: known, or (async
+    /// scheduling) the sample for it still in flight, which the test can tell in advance.
+    fn at(&self, key: (i64, i32), p: usize) -> (u32, u64) {
+        let seq = &self.seqs[&key];
+        if p < seq.tokens.len() {
+            return (seq.tokens[p], seq.content[p]);
+        }
+        assert_eq!(p, seq.tokens.len(), "{key:?} computes past its one token in flight");
+        let t = Self::fake_token(key.0, key.1, p);
+        (t, mix(seq.content[p - 1], t))
+    }
+
     /// Runs the plans on the simulated KV, writes this step's tokens, and checks every row reads
-    /// back its own KV through the runner's view of its block table.
-    fn run_forward(&mut self, o: &SchedulerOutput) {
+    /// back its own KV through the runner's view of its block table. `prev`: the sampled ids of
+    /// the step still in flight, which in-flight inputs name.
+    fn run_forward(&mut self, o: &SchedulerOutput, prev: Option<&[i32]>) {
         let bs = self.cfg.block_size;
         self.apply_batch(o);
         for &[d, h] in &o.blocks_to_swap_out {
@@ -174,18 +199,27 @@ impl Harness {
         }
         assert!(o.input_ids.len() <= self.cfg.max_num_batched_tokens);
         assert_eq!(*o.qo_indptr.last().unwrap() as usize, o.input_ids.len());
+        let mut inputs = o.input_ids.clone();
+        assert_eq!(o.inflight_token_indices.len(), o.inflight_sample_indices.len());
+        assert!(prev.is_some() || o.inflight_token_indices.is_empty(), "an input names a step not in flight");
+        for (&i, &src) in o.inflight_token_indices.iter().zip(&o.inflight_sample_indices) {
+            assert_eq!(inputs[i as usize], -1, "an in-flight input is laid out as -1");
+            inputs[i as usize] = prev.expect("checked above")[src as usize];
+            self.num_inflight_inputs += 1;
+        }
         for b in 0..o.req_ids.len() {
-            let seq = &self.seqs[&(o.req_ids[b], o.seq_indices[b])];
-            let table = &self.row_table[o.rows[b] as usize];
+            let key = (o.req_ids[b], o.seq_indices[b]);
             let (q0, q1, len) = (o.qo_indptr[b] as usize, o.qo_indptr[b + 1] as usize, o.seq_lens[b] as usize);
             for i in q0..q1 {
                 let p = len - (q1 - i); // the row's tokens end at its new length
-                assert_eq!(o.input_ids[i] as u32, seq.tokens[p], "wrong input token");
-                self.device[table[p / bs] as usize * bs + p % bs] = seq.content[p];
+                let (t, content) = self.at(key, p);
+                assert_eq!(inputs[i] as u32, t, "wrong input token");
+                let table = &self.row_table[o.rows[b] as usize];
+                self.device[table[p / bs] as usize * bs + p % bs] = content;
             }
         }
         for b in 0..o.req_ids.len() {
-            let seq = &self.seqs[&(o.req_ids[b], o.seq_indices[b])];
+            let key = (o.req_ids[b], o.seq_indices[b]);
             let len = o.seq_lens[b] as usize;
             let table = &self.row_table[o.rows[b] as usize][..len.div_ceil(bs)];
             let held = self.s.block_table(o.req_ids[b] as u64, o.seq_indices[b] as u32).expect("scheduled");
@@ -194,51 +228,81 @@ impl Harness {
             assert_eq!(o.kv_last_page_len[b] as usize, len - (table.len() - 1) * bs);
             for p in 0..len {
                 let slot = table[p / bs] as usize * bs + p % bs;
-                assert_eq!(self.device[slot], seq.content[p], "row {b} reads wrong KV at position {p}");
+                assert_eq!(self.device[slot], self.at(key, p).1, "row {b} reads wrong KV at position {p}");
             }
         }
     }
 
+    /// One step as an engine runs it: plan, run the forward and sample; then (at once, or with
+    /// async scheduling after planning the next step) apply the samples.
     fn step(&mut self, rng: &mut Rng) {
+        if !self.cfg.async_scheduling {
+            self.plan_step();
+            // an abort can land between schedule() and update()
+            if rng.chance(0.02) {
+                if let Some((r, _)) = self.pick(rng) {
+                    self.abort(r);
+                    self.check();
+                }
+            }
+            self.apply_step();
+            return;
+        }
+        // keep two steps in flight mostly; sometimes let the pipeline drain to one
+        if self.inflight.len() < 2 && self.s.has_unfinished_requests() {
+            self.plan_step();
+        }
+        if self.inflight.len() == 2 || (!self.inflight.is_empty() && rng.chance(0.2)) {
+            self.apply_step();
+        }
+    }
+
+    /// `schedule()`, the forward on the simulated KV, and the samples (the token at each sample
+    /// row's next position, a function of the sequence and the position).
+    fn plan_step(&mut self) {
         let o = self.s.schedule().unwrap();
         self.check();
-        self.run_forward(&o);
-        // an abort can land between schedule() and update()
-        if rng.chance(0.02) {
-            if let Some((r, _)) = self.pick(rng) {
-                self.abort(r);
-                self.check();
-            }
-        }
-        let bases: Vec<Seq> = o
-            .sample_req_ids
-            .iter()
-            .zip(&o.sample_seq_indices)
-            .map(|(&r, &k)| {
-                self.seqs.get(&(r, k)).or_else(|| self.seqs.get(&(r, 0))).cloned().unwrap_or_else(|| Seq {
-                    tokens: vec![],
-                    content: vec![],
-                    num_prompt: 0,
-                    params: RequestParams::default(),
-                })
+        self.num_fork_recomputes +=
+            self.s.drain_events().iter().filter(|e| e.reason == PreemptionReason::Fork).count() as u64;
+        let prev = self.inflight.back().cloned();
+        self.run_forward(&o, prev.as_deref());
+        let sampled = (0..o.logits_indices.len())
+            .map(|i| {
+                let b = o.qo_indptr.partition_point(|&q| q as i64 <= o.logits_indices[i]) - 1;
+                Self::fake_token(o.sample_req_ids[i], o.sample_seq_indices[i], o.seq_lens[b] as usize) as i32
             })
             .collect();
-        let sampled: Vec<i32> = o
-            .sample_req_ids
-            .iter()
-            .zip(&o.sample_seq_indices)
-            .zip(&bases)
-            .map(|((&r, &k), b)| Self::fake_token(r, k, b.tokens.len()) as i32)
-            .collect();
+        self.inflight.push_back(sampled);
+    }
+
+    /// `update()` of the oldest step in flight; checks every applied token and finish reason.
+    fn apply_step(&mut self) {
+        let sampled = self.inflight.pop_front().expect("a step is in flight");
         let res = self.s.update(&sampled).unwrap();
         self.check();
+        // each row's sequence before this update (a new fork starts as its parent)
+        let bases: Vec<Option<Seq>> = (0..res.req_ids.len())
+            .map(|i| {
+                let (r, k) = (res.req_ids[i], res.seq_indices[i]);
+                self.seqs.get(&(r, k)).or_else(|| self.seqs.get(&(r, 0))).cloned()
+            })
+            .collect();
         for (i, base) in bases.into_iter().enumerate() {
             let key = (res.req_ids[i], res.seq_indices[i]);
-            if res.finish_reasons[i] == Some(FinishReason::Abort) {
-                continue;
+            assert_eq!(res.new_token_ids[i], sampled[i], "row {i} is not sample {i}");
+            if res.num_output_tokens[i] == 0 {
+                assert_eq!(res.finish_reasons[i], None, "a dropped sample finishes nothing");
+                self.num_dropped += 1;
+                continue; // its sequence ended (or must recompute) while it was in flight
             }
-            let mut seq = base;
+            let mut seq = base.unwrap_or_else(|| panic!("{key:?} got a token but is not live"));
+            assert_eq!(
+                res.new_token_ids[i] as u32,
+                Self::fake_token(key.0, key.1, seq.tokens.len()),
+                "{key:?} got the sample of another position"
+            );
             seq.push(res.new_token_ids[i] as u32);
+            assert_eq!(res.num_output_tokens[i] as usize, seq.tokens.len() - seq.num_prompt);
             let t = *seq.tokens.last().unwrap();
             let p = &seq.params;
             let outputs = seq.tokens.len() - seq.num_prompt;
@@ -271,7 +335,7 @@ impl Harness {
 
     fn drain(&mut self, rng: &mut Rng) {
         let mut steps = 0;
-        while self.s.has_unfinished_requests() {
+        while self.s.has_unfinished_requests() || !self.inflight.is_empty() {
             self.step(rng);
             steps += 1;
             assert!(steps < 20_000, "no progress: a request never finishes");
@@ -306,6 +370,7 @@ fn random_config(rng: &mut Rng) -> SchedulerConfig {
         bytes_per_block: [1e3, 1e6, 1e9][rng.below(3) as usize],
         host_link_bytes_per_s: 1e9,
         prefill_tokens_per_s: 1e4,
+        async_scheduling: rng.chance(0.5),
     }
 }
 
@@ -316,6 +381,7 @@ fn random_operations_keep_every_invariant() {
     let mut seed: u64 = std::env::var("FERRYMAN_RANDOM_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
     let mut preemptions = [0u64; 2];
     let (mut kept_prefix_swaps, mut lost_prefixes) = (0u64, 0u64);
+    let (mut inflight_inputs, mut dropped, mut fork_recomputes) = (0u64, 0u64, 0u64);
     while total < target {
         let mut rng = Rng(seed);
         eprintln!("seed {seed} (rerun alone with FERRYMAN_RANDOM_SEED={seed})"); // shown on failure
@@ -344,14 +410,20 @@ fn random_operations_keep_every_invariant() {
         preemptions[0] += c.num_preemptions_recompute;
         preemptions[1] += c.num_preemptions_swap;
         kept_prefix_swaps += c.num_blocks_kept_on_swap;
+        inflight_inputs += h.num_inflight_inputs;
+        dropped += h.num_dropped;
+        fork_recomputes += h.num_fork_recomputes;
         lost_prefixes += c.num_swap_prefix_lost;
         total += h.ops;
     }
     println!(
         "{total} operations over {seed} configs; preemptions recompute={} swap={}; blocks kept on \
-         the device by swaps={kept_prefix_swaps}, kept prefixes lost={lost_prefixes}",
+         the device by swaps={kept_prefix_swaps}, kept prefixes lost={lost_prefixes}; async: \
+         inputs in flight={inflight_inputs}, samples dropped={dropped}, unforked parents \
+         recomputed={fork_recomputes}",
         preemptions[0], preemptions[1]
     );
     assert!(preemptions[0] > 0 && preemptions[1] > 0, "the workloads must exercise both modes");
     assert!(kept_prefix_swaps > 0 && lost_prefixes > 0, "and swaps that keep a prefix, kept or lost");
+    assert!(inflight_inputs > 0 && dropped > 0 && fork_recomputes > 0, "and async steps' corner cases");
 }

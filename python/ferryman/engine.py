@@ -3,23 +3,22 @@ and the forward in torch, sampling, then ``update()`` in Rust, which also detoke
 stop strings; the output processor hands out ``RequestOutput`` objects. The API mirrors vLLM's
 ``LLM`` (``generate``) and ``LLMEngine`` (``add_request`` / ``step``).
 
-With ``async_scheduling`` (the default) the forward and sampling of each step run in one worker
-thread (torch releases the GIL; on CUDA the thread only launches work, and the sampled ids come
-back through pinned memory and an event), and ``step()`` keeps one step in flight: it plans and
-submits step N+1, then applies step N's samples (``update()``, text, outputs) while N+1 computes.
-Decode inputs of N+1 that are N's samples are filled on the device. A sequence that stops in step
-N has its extra token of N+1 dropped by the core; core ids (which index the sampling table) are
-reused only once no step in flight can name them. ``step()`` then returns the outputs of the
-step before the one it planned."""
+With ``async_scheduling`` (the default) ``step()`` keeps one step planned ahead: it plans step
+N+1 (``schedule()`` while N is not yet applied), runs it, and meanwhile applies step N
+(``update()``, text, outputs), whose outputs it returns. On CUDA, N+1 is launched without
+waiting and N's sampled ids come back through pinned memory and an event, so the device computes
+while the host applies; on CPU, torch computes N+1 on this thread while a helper thread applies N
+(torch releases the GIL in its kernels). Decode inputs of N+1 that are N's samples are filled on
+the device. A sequence that stops in step N has its extra token of N+1 dropped by the core; core
+ids (which index the sampling table) are reused only once no planned step can name them."""
 
 from __future__ import annotations
 
 import dataclasses
 import random
 import time
-from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -39,11 +38,12 @@ Prompt = str | Sequence[int]
 
 @dataclass(slots=True)
 class _InFlight:
-    """A planned step whose forward was submitted; ``release``: core ids to reuse once it is
-    applied."""
+    """A planned step not yet applied (async scheduling): its plan, its samples once run, and
+    the core ids to reuse once it is applied (a step planned before they were released may
+    name them)."""
 
     plan: Any  # SchedulerOutput
-    result: Future[Sampled]
+    sampled: Sampled | None = None
     release: list[int] = field(default_factory=list)
 
 
@@ -71,8 +71,12 @@ class Engine:
         self._next_id = 0
         self._num_added = 0
         self.peak_blocks_used = 0
-        self._inflight: deque[_InFlight] = deque()
-        self._worker = StepWorker(self.runner, self._sampling, threaded=args.async_scheduling)
+        self._inflight: _InFlight | None = None
+        self._worker = StepWorker(self.runner, self._sampling, overlap=args.async_scheduling)
+        # on CPU the forward computes on this thread, so applying the previous step (update(),
+        # text, outputs: Rust and Python, no torch) goes to a helper thread beside it
+        overlap_cpu = args.async_scheduling and self.device.type != "cuda"
+        self._applier = ThreadPoolExecutor(1, thread_name_prefix="ferryman-apply") if overlap_cpu else None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> Engine:
@@ -144,10 +148,10 @@ class Engine:
             del self._core_ids[st.request_id]
         self._sampling.clear(core_id)
         # a step in flight may still name the id: reuse it only after the newest is applied
-        (self._inflight[-1].release if self._inflight else self._free_ids).append(core_id)
+        (self._inflight.release if self._inflight is not None else self._free_ids).append(core_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._inflight)
+        return self.scheduler.has_unfinished_requests() or self._inflight is not None
 
     def stats(self) -> dict[str, Any]:
         """Cumulative counters and current gauges (events come with each ``StepResult``)."""
@@ -166,22 +170,35 @@ class Engine:
 
     def step(self) -> StepResult:
         """Runs one step: the outputs it produced (per request's ``output_kind``; finished ones
-        marked), its statistics and its preemptions. With async scheduling, plans and submits
-        the next step first and returns the outputs of the one before it."""
-        if not self._worker.threaded:
+        marked), its statistics and its preemptions. With async scheduling, plans and runs the
+        next step and meanwhile applies the one before it, whose outputs it returns."""
+        if not self._worker.overlap:
             plan = self._plan()
             return self._apply(plan, self._worker.run(plan, self._sampling.args(plan)))
-        while len(self._inflight) < 2 and self.scheduler.has_unfinished_requests():
-            plan = self._plan()
-            self._inflight.append(_InFlight(plan, self._worker.submit(plan, self._sampling.args(plan))))
-        if not self._inflight:  # nothing to run: an empty step, as without async scheduling
-            plan = self._plan()
-            return self._apply(plan, self._worker.run(plan, self._sampling.args(plan)))
-        done = self._inflight.popleft()
-        try:
-            return self._apply(done.plan, done.result.result())
-        finally:
-            self._free_ids.extend(done.release)
+        while True:
+            prev = self._inflight
+            nxt = (
+                _InFlight(self._plan()) if prev is None or self.scheduler.has_unfinished_requests() else None
+            )
+            self._inflight = nxt  # core ids released while applying `prev` wait for `nxt`
+            if nxt is not None:
+                args = self._sampling.args(nxt.plan)
+            if prev is None:  # nothing to apply yet: fill the pipeline
+                assert nxt is not None
+                nxt.sampled = self._worker.run(nxt.plan, args)
+                continue
+            if nxt is not None and self._applier is not None:  # CPU: apply beside the forward
+                applied = self._applier.submit(self._apply, prev.plan, prev.sampled)
+                try:
+                    nxt.sampled = self._worker.run(nxt.plan, args)
+                finally:
+                    result = applied.result()
+            else:  # CUDA: the device runs `nxt` (launched, not waited for) while `prev` is applied
+                if nxt is not None:
+                    nxt.sampled = self._worker.run(nxt.plan, args)
+                result = self._apply(prev.plan, prev.sampled)
+            self._free_ids.extend(prev.release)
+            return result
 
     def _plan(self) -> Any:
         """``schedule()`` and the bookkeeping of the planned step."""
@@ -199,8 +216,9 @@ class Engine:
         )
         return out
 
-    def _apply(self, out: Any, sampled: Sampled) -> StepResult:
+    def _apply(self, out: Any, sampled: Sampled | None) -> StepResult:
         """``update()`` with the step's samples, then its outputs, statistics and preemptions."""
+        assert sampled is not None, "the step ran"
         res = self.scheduler.update(sampled.host_ids())
         outputs = self._outputs.process(res, sampled.logprobs, time.monotonic())
         for ro in outputs:
@@ -243,7 +261,7 @@ class Engine:
                         bar.update(1)
         if bar is not None:
             bar.close()
-        while self._inflight and not self.scheduler.has_unfinished_requests():
+        while self._inflight is not None and not self.scheduler.has_unfinished_requests():
             self.step()  # a step planned before the last stop: only dropped samples are left
         return [final[rid] for rid in ids]
 

@@ -19,7 +19,14 @@ def register(sub: Any) -> None:
     add_cli_args(
         t,
         EngineArgs,
-        only=("model", "num_device_blocks", "num_host_blocks", "preemption_mode", "max_num_batched_tokens"),
+        only=(
+            "model",
+            "num_device_blocks",
+            "num_host_blocks",
+            "preemption_mode",
+            "max_num_batched_tokens",
+            "async_scheduling",
+        ),
         help_overrides={"num_device_blocks": "device KV blocks (default: every request fits)"},
     )
     t.add_argument("--num-prompts", type=int, default=64, help="requests (default: 64)")
@@ -36,6 +43,11 @@ def register(sub: Any) -> None:
         "or of the ample run's peak use (stricter) (default: demand)",
     )
     t.add_argument("--no-hf", action="store_true", help="skip the transformers run")
+    t.add_argument(
+        "--vs-sync",
+        action="store_true",
+        help="also run each variant's pool with async scheduling off, interleaved: ratio async / sync",
+    )
     t.add_argument(
         "--repeats",
         type=_positive_int,
@@ -83,6 +95,7 @@ def run_throughput(a: argparse.Namespace) -> int:
         "preemption_mode": a.preemption_mode,
         "max_num_batched_tokens": a.max_num_batched_tokens,
         "max_model_len": max(len(p) + m for p, m in work),
+        "async_scheduling": a.async_scheduling,
     }
     report: dict[str, object] = {
         "num_prompts": a.num_prompts,
@@ -93,6 +106,7 @@ def run_throughput(a: argparse.Namespace) -> int:
     longest = max(bench.request_blocks(work))  # a tight pool still fits each request
     vs_ample: list[float] = []
     vs_hf: list[float] = []
+    vs_sync: list[float] = []
     for rep in range(a.repeats):  # each repeat runs every variant again, interleaved
         ample: dict[str, float] = {}
         if a.pool_fraction:
@@ -100,6 +114,13 @@ def run_throughput(a: argparse.Namespace) -> int:
             basis = ample["peak_blocks_used"] if a.pool_basis == "peak" else demand
             blocks = max(longest, int(basis * a.pool_fraction))
         ours = bench.run_ferryman(a.model, work, num_device_blocks=blocks, **kw)
+        if a.vs_sync:
+            sync = bench.run_ferryman(
+                a.model, work, num_device_blocks=blocks, **{**kw, "async_scheduling": False}
+            )
+            vs_sync.append(round(ours["output_tokens_per_s"] / sync["output_tokens_per_s"], 3))
+            if rep == 0:
+                report["ferryman_sync"] = sync
         if a.pool_fraction:
             vs_ample.append(round(ours["output_tokens_per_s"] / ample["output_tokens_per_s"], 3))
         hf: dict[str, float] = {}
@@ -118,6 +139,9 @@ def run_throughput(a: argparse.Namespace) -> int:
         report["ratio_vs_ample"] = statistics.median(vs_ample)
     if vs_hf:
         report["ratio_vs_transformers"] = statistics.median(vs_hf)
+    if vs_sync:
+        report["ratio_async_vs_sync"] = statistics.median(vs_sync)
+        report["ratio_async_vs_sync_runs"] = vs_sync
     if a.repeats > 1:
         report["repeats"] = a.repeats
         report["ratio_vs_ample_runs"] = vs_ample

@@ -3,7 +3,7 @@ and the forward in torch, sampling, then ``update()`` in Rust, which also detoke
 stop strings; the output processor hands out ``RequestOutput`` objects. The API mirrors vLLM's
 ``LLM`` (``generate``) and ``LLMEngine`` (``add_request`` / ``step``).
 
-With ``async_scheduling`` (the default) ``step()`` keeps one step planned ahead: it plans step
+With ``async_scheduling`` (the default with CUDA) ``step()`` keeps one step planned ahead: it plans step
 N+1 (``schedule()`` while N is not yet applied), runs it, and meanwhile applies step N
 (``update()``, text, outputs), whose outputs it returns. On CUDA, N+1 is launched without
 waiting and N's sampled ids come back through pinned memory and an event, so the device computes
@@ -72,10 +72,10 @@ class Engine:
         self._num_added = 0
         self.peak_blocks_used = 0
         self._inflight: _InFlight | None = None
-        self._worker = StepWorker(self.runner, self._sampling, overlap=args.async_scheduling)
+        self._worker = StepWorker(self.runner, self._sampling, overlap=self.scheduler.config.async_scheduling)
         # on CPU the forward computes on this thread, so applying the previous step (update(),
         # text, outputs: Rust and Python, no torch) goes to a helper thread beside it
-        overlap_cpu = args.async_scheduling and self.device.type != "cuda"
+        overlap_cpu = self._worker.overlap and self.device.type != "cuda"
         self._applier = ThreadPoolExecutor(1, thread_name_prefix="ferryman-apply") if overlap_cpu else None
 
     @classmethod

@@ -153,10 +153,10 @@ class EngineArgs(SchedulerArgs):
         choices=ATTENTION_BACKENDS,
     )
     enforce_eager: bool = knob(False, "never replay CUDA graphs for decode steps (FlashInfer on CUDA)")
-    async_scheduling: bool = knob(
-        True,
-        "overlap: plan step N+1 and turn step N's tokens into text while step N+1's forward runs "
-        "(forward in a worker thread)",
+    async_scheduling: bool | None = knob(
+        None,
+        "overlap: plan and run step N+1 while step N's tokens become text and outputs (default: on "
+        "with CUDA; off on CPU, where the forward dwarfs the host work and it measured no gain)",
     )
     seed: int = knob(0, "engine seed: sampling seeds of requests that bring none")
     calibrate: bool = knob(True, "measure the host link and prefill rate at start-up for the cost model")
@@ -229,6 +229,15 @@ def add_cli_args(
         if keep is not None and f.name not in keep:
             continue
         text = (help_overrides or {}).get(f.name, f.metadata["help"])
+        if value_type(cls, f)[0] is bool and f.default is None:  # on, off, or the knob's own rule
+            p.add_argument(
+                "--" + f.name.replace("_", "-"),
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=text,
+            )
+            continue
         if isinstance(f.default, bool):
             action = "store_false" if f.default else "store_true"
             text += " (on by default; this flag turns it off)" if f.default else ""

@@ -102,7 +102,7 @@ def build_parts(args: EngineArgs) -> EngineParts:
             num_host_blocks=num_host_blocks,
             max_model_len=max_model_len,
             max_num_batched_tokens=budget,
-            async_scheduling=args.async_scheduling,
+            async_scheduling=overlap(args, device),
             bytes_per_block=float(bpb),
             **calibration,
         )
@@ -110,3 +110,8 @@ def build_parts(args: EngineArgs) -> EngineParts:
     return EngineParts(
         device, dtype, model, tokenizer, max_model_len, kv, runner, scheduler, calibration, calibration_s
     )
+
+
+def overlap(args: EngineArgs, device: torch.device) -> bool:
+    """``async_scheduling``, or its default: on with CUDA, off on CPU."""
+    return args.async_scheduling if args.async_scheduling is not None else device.type == "cuda"

@@ -25,6 +25,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build("llama", tmp_path_factory.mktemp("models"), tokenizer=True)
 
 
+def test_overlap_is_off_by_default_on_cpu_and_on_when_asked(model: Path) -> None:
+    assert not Engine(str(model), calibrate=False).scheduler.config.async_scheduling
+    assert Engine(str(model), calibrate=False, async_scheduling=True).scheduler.config.async_scheduling
+
+
 def engine(model: Path, async_scheduling: bool, pool: str = "ample", **kw: object) -> Engine:
     args = {"block_size": 4, "calibrate": False, **POOLS[pool], **kw}
     return Engine(str(model), async_scheduling=async_scheduling, **args)  # type: ignore[arg-type]

@@ -85,8 +85,16 @@ class Server:
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("logs") / "server.log"
-    s = Server(
-        model_dir, "--block-size", "4", "--num-device-blocks", "64", "--num-host-blocks", "64", log=log
+    s = Server(  # with overlap (off by default on CPU): checked against the synchronous `offline`
+        model_dir,
+        "--block-size",
+        "4",
+        "--num-device-blocks",
+        "64",
+        "--num-host-blocks",
+        "64",
+        "--async-scheduling",
+        log=log,
     )
     yield s
     s.stop()
@@ -369,6 +377,7 @@ def test_load_64_streams_on_a_tiny_pool(model_dir: Path, offline: Engine, tmp_pa
         mode,
         "--trace",
         str(trace),
+        *(["--async-scheduling"] if mode != "auto" else []),  # overlap on and off, against `offline`
         log=tmp_path / "server.log",
     )
 

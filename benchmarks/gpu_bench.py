@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ferryman._core import Scheduler, SchedulerConfig
+from ferryman._core import RequestParams, Scheduler, SchedulerConfig
 from ferryman.models.llama import LlamaForCausalLM, ModelConfig, rope_inv_freq
 from ferryman.worker.kv_cache import KvCache
 from ferryman.worker.model_runner import ModelRunner
@@ -95,7 +95,9 @@ def prepare(
     rng = np.random.default_rng(batch)
     for r in range(batch):
         s.add_request(
-            r, rng.integers(0, cfg.vocab_size, ctx).astype(np.int32), 2 * steps + 4, ignore_eos=True
+            r,
+            rng.integers(0, cfg.vocab_size, ctx).astype(np.int32),
+            RequestParams(2 * steps + 4, ignore_eos=True),
         )
     prefill_tokens, prefill_s = 0, 0.0
     while True:  # prefill everything (the budget splits it into chunks)

@@ -33,7 +33,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import numpy as np
 from workload_trace import blocks_needed, generate, prompt, tokens
 
-from ferryman import Scheduler, SchedulerConfig
+from ferryman import RequestParams, Scheduler, SchedulerConfig
 
 # every array of SchedulerOutput: what a model runner reads, give or take a few
 OUTPUT_ARRAYS = [
@@ -78,7 +78,9 @@ def replay(
         while nxt < len(trace) and trace[nxt]["arrival_step"] <= step:
             r = trace[nxt]
             s.add_request(
-                r["id"], prompt(seed, r["id"], r["prompt_len"]).tolist(), r["output_len"], ignore_eos=True
+                r["id"],
+                prompt(seed, r["id"], r["prompt_len"]).tolist(),
+                RequestParams(r["output_len"], ignore_eos=True),
             )
             lens[r["id"]] = r["prompt_len"]
             nxt += 1

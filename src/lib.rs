@@ -4,6 +4,7 @@
 mod py_config;
 mod py_errors;
 mod py_outputs;
+mod py_request;
 mod py_scheduler;
 
 use pyo3::prelude::*;
@@ -19,6 +20,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<py_config::PySchedulerConfig>()?;
     m.add_class::<py_scheduler::PyScheduler>()?;
+    m.add_class::<py_request::PyRequestParams>()?;
     m.add_class::<py_outputs::PySchedulerOutput>()?;
     m.add_class::<py_outputs::PyStepOutputs>()?;
     py_errors::register(m)?;

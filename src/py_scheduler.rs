@@ -1,6 +1,6 @@
 //! `Scheduler` for Python: argument checking and conversion around `ferryman_core::Scheduler`.
 
-use ferryman_core::{FinishReason, RequestParams, Scheduler, TextParams, Tokenizer};
+use ferryman_core::{FinishReason, Scheduler, Tokenizer};
 use numpy::{AllowTypeChange, PyArrayLike1};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -8,6 +8,7 @@ use pyo3::types::PyDict;
 use crate::py_config::PySchedulerConfig;
 use crate::py_errors::{to_pyerr, InvalidRequestError};
 use crate::py_outputs::{PySchedulerOutput, PyStepOutputs};
+use crate::py_request::PyRequestParams;
 
 /// The per-step scheduler and KV block manager. Two calls cross per step: `schedule()` and
 /// `update()`.
@@ -47,48 +48,11 @@ impl PyScheduler {
         Ok(())
     }
 
-    #[pyo3(signature = (req_id, prompt_token_ids, max_tokens, *, priority=0, eos_token_id=None,
-        stop_token_ids=Vec::new(), ignore_eos=false, n=1, detokenize=false, stop=Vec::new()))]
-    #[allow(clippy::too_many_arguments)]
-    fn add_request(
-        &mut self,
-        req_id: i64,
-        prompt_token_ids: Vec<i64>,
-        max_tokens: i64,
-        priority: i32,
-        eos_token_id: Option<i64>,
-        stop_token_ids: Vec<i64>,
-        ignore_eos: bool,
-        n: i64,
-        detokenize: bool,
-        stop: Vec<String>,
-    ) -> PyResult<()> {
+    /// Queues a request: its prompt and its parameters (`RequestParams`, validated when built).
+    fn add_request(&mut self, req_id: i64, prompt_token_ids: Vec<i64>, params: &PyRequestParams) -> PyResult<()> {
         let id = req_id_of(req_id)?;
         let prompt = prompt_token_ids.into_iter().map(|t| token_of(req_id, t)).collect::<PyResult<Vec<_>>>()?;
-        let stop_ids = stop_token_ids.into_iter().map(|t| token_of(req_id, t)).collect::<PyResult<Vec<_>>>()?;
-        let eos = eos_token_id.map(|t| token_of(req_id, t)).transpose()?;
-        if max_tokens < 1 {
-            return Err(InvalidRequestError::new_err(format!(
-                "request {req_id}: max_tokens must be >= 1, got {max_tokens}"
-            )));
-        }
-        if !(1..=u32::MAX as i64).contains(&n) {
-            return Err(InvalidRequestError::new_err(format!("request {req_id}: n must be >= 1, got {n}")));
-        }
-        if !detokenize && !stop.is_empty() {
-            return Err(InvalidRequestError::new_err(format!("request {req_id}: stop strings need detokenize=True")));
-        }
-        let params = RequestParams {
-            max_tokens: max_tokens as usize,
-            priority,
-            eos_token_id: eos,
-            stop_token_ids: stop_ids,
-            ignore_eos,
-            n: n as u32,
-            text: detokenize.then_some(TextParams { stop }),
-        };
-
-        self.inner.add_request(id, prompt, params).map_err(to_pyerr)
+        self.inner.add_request(id, prompt, params.inner.clone()).map_err(to_pyerr)
     }
 
     /// Plans one step.

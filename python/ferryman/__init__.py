@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from ferryman._core import (
     EngineError,
     InvalidRequestError,
+    RequestParams,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
@@ -37,6 +38,7 @@ __all__ = [
     "EngineError",
     "InvalidRequestError",
     "RequestOutput",
+    "RequestParams",
     "SamplingParams",
     "Scheduler",
     "SchedulerConfig",

@@ -13,6 +13,7 @@ import numpy.typing as npt
 __all__ = [
     "EngineError",
     "InvalidRequestError",
+    "RequestParams",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
@@ -237,6 +238,44 @@ class StepOutputs:
     def __len__(self) -> int: ...
 
 @final
+class RequestParams:
+    """A request's stop conditions, EOS ids, n, priority and text options: the one record it
+    crosses into the core with, validated on construction (InvalidRequestError naming the field).
+    ``eos_token_ids`` (the model's EOS ids) finish it with "stop" unless ``ignore_eos``;
+    ``stop_token_ids`` always do. ``detokenize`` (needs Scheduler.set_tokenizer) makes update()
+    return its text (special tokens add none); ``stop`` strings finish it with "stop", the text
+    ending before the first one to appear."""
+
+    def __new__(
+        cls,
+        max_tokens: int,
+        *,
+        priority: int = 0,
+        eos_token_ids: list[int] | tuple[int, ...] = ...,
+        stop_token_ids: list[int] | tuple[int, ...] = ...,
+        ignore_eos: bool = False,
+        n: int = 1,
+        detokenize: bool = False,
+        stop: list[str] = ...,
+    ) -> RequestParams: ...
+    @property
+    def max_tokens(self) -> int: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def eos_token_ids(self) -> list[int]: ...
+    @property
+    def stop_token_ids(self) -> list[int]: ...
+    @property
+    def ignore_eos(self) -> bool: ...
+    @property
+    def n(self) -> int: ...
+    @property
+    def detokenize(self) -> bool: ...
+    @property
+    def stop(self) -> list[str]: ...
+
+@final
 class Scheduler:
     """The per-step scheduler and KV block manager."""
 
@@ -250,21 +289,11 @@ class Scheduler:
         self,
         req_id: int,
         prompt_token_ids: list[int] | tuple[int, ...] | npt.NDArray[np.integer],
-        max_tokens: int,
-        *,
-        priority: int = 0,
-        eos_token_id: int | None = None,
-        stop_token_ids: list[int] | tuple[int, ...] = ...,
-        ignore_eos: bool = False,
-        n: int = 1,
-        detokenize: bool = False,
-        stop: list[str] = ...,
+        params: RequestParams,
     ) -> None:
         """Queues a request; raises InvalidRequestError for a duplicate live id, an empty prompt,
-        bad parameters, or a request that could never fit max_model_len or the device pool.
-        ``detokenize`` (needs set_tokenizer) makes update() return its text (special tokens add
-        none); ``stop`` strings finish it with "stop", the text ending before the first one to
-        appear."""
+        n above max_num_seqs, text without set_tokenizer, or a request that could never fit
+        max_model_len or the device pool."""
     def schedule(self) -> SchedulerOutput: ...
     def update(self, sampled_token_ids: npt.ArrayLike) -> StepOutputs:
         """One int32 token per entry of the oldest pending step's logits_indices, in order."""

@@ -24,7 +24,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from ferryman._core import InvalidRequestError
+from ferryman._core import InvalidRequestError, RequestParams
 from ferryman.engine_args import DEFAULT_MODEL, EngineArgs
 from ferryman.engine_setup import build_parts
 from ferryman.output_processor import OutputProcessor, RequestState
@@ -101,24 +101,19 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer, and this model has none")
         text, ids = self._tokenize(prompt)
-        eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        # the core takes one EOS id; the model's other EOS ids stop the request as stop ids
-        extra_eos = [] if params.ignore_eos else self.eos_token_ids[1:]
-        max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))
+        record = RequestParams(
+            params.max_tokens or max(1, self.max_model_len - len(ids)),
+            priority=params.priority,
+            eos_token_ids=self.eos_token_ids,
+            stop_token_ids=params.stop_token_ids,
+            ignore_eos=params.ignore_eos,
+            n=params.n,
+            detokenize=self.tokenizer is not None,
+            stop=params.stop,
+        )
         core_id = self._free_ids.pop() if self._free_ids else self._next_id
         try:
-            self.scheduler.add_request(
-                core_id,
-                ids,
-                max_tokens,
-                priority=params.priority,
-                eos_token_id=eos,
-                stop_token_ids=[*params.stop_token_ids, *extra_eos],
-                ignore_eos=params.ignore_eos,
-                n=params.n,
-                detokenize=self.tokenizer is not None,
-                stop=params.stop,
-            )
+            self.scheduler.add_request(core_id, ids, record)
         except InvalidRequestError as e:  # name the user's request id, not the core's number
             if core_id != self._next_id:
                 self._free_ids.append(core_id)

@@ -53,11 +53,11 @@ impl FinishReason {
 pub struct StopParams {
     /// Output tokens at most.
     pub max_tokens: usize,
-    /// Finish with "stop" on this token unless `ignore_eos`.
-    pub eos_token_id: Option<u32>,
+    /// Finish with "stop" on any of these (the model's EOS ids) unless `ignore_eos`.
+    pub eos_token_ids: Vec<u32>,
     /// Finish with "stop" on any of these.
     pub stop_token_ids: Vec<u32>,
-    /// Do not stop on `eos_token_id`.
+    /// Do not stop on `eos_token_ids`.
     pub ignore_eos: bool,
 }
 
@@ -69,23 +69,45 @@ pub struct TextParams {
     pub stop: Vec<String>,
 }
 
-/// Sampling-independent parameters of a new request.
-#[derive(Debug, Clone, Default)]
+/// Sampling-independent parameters of a new request: the one record a request crosses the
+/// boundary with, checked by `validate` (the scheduler adds the checks that need its config).
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct RequestParams {
     /// Output tokens at most (>= 1).
     pub max_tokens: usize,
     /// Lower is more important (policy "priority").
     pub priority: i32,
-    /// Stop on this token unless `ignore_eos`.
-    pub eos_token_id: Option<u32>,
+    /// Stop on any of these (the model's EOS ids) unless `ignore_eos`.
+    pub eos_token_ids: Vec<u32>,
     /// Stop on any of these.
     pub stop_token_ids: Vec<u32>,
-    /// Ignore `eos_token_id`.
+    /// Ignore `eos_token_ids`.
     pub ignore_eos: bool,
     /// Parallel samples (>= 1).
     pub n: u32,
     /// Detokenize the output and apply stop strings; `None`: token ids only.
     pub text: Option<TextParams>,
+}
+
+impl RequestParams {
+    /// Checks the record on its own: `max_tokens >= 1`, `n >= 1`, token ids within i32, no
+    /// empty stop string; the message names the field.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_tokens == 0 {
+            return Err("max_tokens must be >= 1".into());
+        }
+        if self.n == 0 {
+            return Err("n must be >= 1".into());
+        }
+        let ids = self.eos_token_ids.iter().chain(&self.stop_token_ids);
+        if let Some(t) = ids.copied().find(|&t| t > i32::MAX as u32) {
+            return Err(format!("token id {t} out of range"));
+        }
+        if self.text.as_ref().is_some_and(|t| t.stop.iter().any(String::is_empty)) {
+            return Err("a stop string is empty".into());
+        }
+        Ok(())
+    }
 }
 
 /// One sequence under the scheduler's control.
@@ -149,7 +171,7 @@ impl Request {
             num_computed_tokens: 0,
             stop: StopParams {
                 max_tokens: p.max_tokens,
-                eos_token_id: p.eos_token_id,
+                eos_token_ids: p.eos_token_ids,
                 stop_token_ids: p.stop_token_ids,
                 ignore_eos: p.ignore_eos,
             },
@@ -195,7 +217,7 @@ impl Request {
     pub fn append_token(&mut self, token: u32, max_model_len: usize) -> Option<FinishReason> {
         self.token_ids.push(token as i32);
         let s = &self.stop;
-        if (!s.ignore_eos && s.eos_token_id == Some(token)) || s.stop_token_ids.contains(&token) {
+        if (!s.ignore_eos && s.eos_token_ids.contains(&token)) || s.stop_token_ids.contains(&token) {
             Some(FinishReason::Stop)
         } else if self.num_output_tokens() >= s.max_tokens || self.num_tokens() >= max_model_len {
             Some(FinishReason::Length)
@@ -218,7 +240,7 @@ mod tests {
             token_ids: vec![5, 6, 7],
             num_prompt_tokens: 3,
             num_computed_tokens: 0,
-            stop: StopParams { max_tokens, eos_token_id: Some(2), stop_token_ids: vec![9], ignore_eos: false },
+            stop: StopParams { max_tokens, eos_token_ids: vec![2], stop_token_ids: vec![9], ignore_eos: false },
             num_pending_forks: 1,
             status: RequestStatus::Running,
             num_preemptions: 0,

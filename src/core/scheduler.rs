@@ -117,22 +117,15 @@ impl Scheduler {
         if prompt_token_ids.is_empty() {
             return bad("prompt_token_ids is empty".into());
         }
-        if p.max_tokens == 0 {
-            return bad("max_tokens must be >= 1".into());
-        }
-        if p.n == 0 || p.n as usize > self.cfg.max_num_seqs {
+        p.validate().or_else(bad)?;
+        if p.n as usize > self.cfg.max_num_seqs {
             return bad(format!("n must be in 1..={} (max_num_seqs), got {}", self.cfg.max_num_seqs, p.n));
         }
         if let Some(&t) = prompt_token_ids.iter().find(|&&t| t > i32::MAX as u32) {
             return bad(format!("token id {t} out of range"));
         }
-        if let Some(text) = &p.text {
-            if self.tokenizer.is_none() {
-                return bad("text output needs a tokenizer, and this scheduler has none".into());
-            }
-            if text.stop.iter().any(String::is_empty) {
-                return bad("a stop string is empty".into());
-            }
+        if p.text.is_some() && self.tokenizer.is_none() {
+            return bad("text output needs a tokenizer, and this scheduler has none".into());
         }
         let num_prompt_tokens = prompt_token_ids.len();
         let total = num_prompt_tokens.saturating_add(p.max_tokens);

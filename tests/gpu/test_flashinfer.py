@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from ferryman import Scheduler, SchedulerConfig
+from ferryman import RequestParams, Scheduler, SchedulerConfig
 from ferryman.attention.torch_backend import TorchAttentionBackend
 
 pytestmark = pytest.mark.gpu
@@ -85,7 +85,7 @@ def test_flashinfer_engine_logits_match_torch_reference_under_swap(tmp_path: Pat
         )
     )
     for r in range(6):
-        s.add_request(r, [*range(20, 44), r, r + 1], 24, ignore_eos=True)
+        s.add_request(r, [*range(20, 44), r, r + 1], RequestParams(24, ignore_eos=True))
     (worst,), steps = lockstep([torch_r, fi_r], s)
     print(f"flashinfer vs torch reference: worst relative logit error {worst:.2e} over {steps} steps")
     assert s.stats()["num_preemptions_swap"] > 0
@@ -103,7 +103,7 @@ def test_cuda_graph_logits_match_eager(tmp_path: Path) -> None:
     assert eager.graphs is None and graphs.graphs.sizes == [1, 2, 4, 8, 16]
     s = Scheduler(SchedulerConfig(block_size=16, num_device_blocks=64, max_num_seqs=16, max_model_len=128))
     for r in range(5):  # 5 rows replay the size-8 graph, 3 of them padding
-        s.add_request(r, [*range(30, 50), r], 20, ignore_eos=True)
+        s.add_request(r, [*range(30, 50), r], RequestParams(20, ignore_eos=True))
     (worst,), steps = lockstep([eager, graphs], s)
     print(f"graphs vs eager: worst relative logit error {worst:.2e} over {steps} steps")
     assert graphs.num_graph_steps >= 19
@@ -123,7 +123,7 @@ def test_flashinfer_backend_matches_the_torch_reference() -> None:
         SchedulerConfig(block_size=bs, num_device_blocks=64, max_num_batched_tokens=128, max_model_len=512)
     )
     for r, (p, n) in lens.items():
-        s.add_request(r, [1000 * r + t for t in range(1, p + 1)], n, ignore_eos=True)
+        s.add_request(r, [1000 * r + t for t in range(1, p + 1)], RequestParams(n, ignore_eos=True))
     kv_fi = KvCache(layers, 64, 0, bs, hkv, d, dt, dev)
     kv_ref = KvCache(layers, 64, 0, bs, hkv, d, dt, dev)
     fi = FlashInferBackend(kv_fi.layers(), bs, d**-0.5, hq, hkv, d)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ferryman import Scheduler, SchedulerOutput
+from ferryman import RequestParams, Scheduler, SchedulerOutput
 from ferryman.worker.block_table import BlockTable
 
 MASK = (1 << 61) - 1
@@ -77,7 +77,7 @@ def run_to_completion(
     last_arrival = max(arrivals, default=-1)
     while s.has_unfinished_requests() or step <= last_arrival:
         for req_id, prompt, max_tokens, kw in arrivals.get(step, []):
-            s.add_request(req_id, prompt, max_tokens, **kw)
+            s.add_request(req_id, prompt, RequestParams(max_tokens, **kw))
         out = s.schedule()
         if check_every_step:
             s.check_invariants()

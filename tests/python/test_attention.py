@@ -10,7 +10,7 @@ import pytest
 import torch
 from tiny_models import dense_causal
 
-from ferryman import Scheduler, SchedulerConfig
+from ferryman import RequestParams, Scheduler, SchedulerConfig
 from ferryman.attention.torch_backend import DECODE_GROUP, TorchAttentionBackend
 from ferryman.worker.block_table import BlockTable
 
@@ -33,7 +33,9 @@ def test_chunked_prefill_and_decode_match_dense_causal_attention(lens: dict[int,
         SchedulerConfig(block_size=bs, num_device_blocks=160, max_num_batched_tokens=16, max_model_len=80)
     )
     for r, (p, n) in lens.items():
-        s.add_request(r, [100 * r + t for t in range(1, p + 1)], n, ignore_eos=True)  # no shared prefix
+        s.add_request(
+            r, [100 * r + t for t in range(1, p + 1)], RequestParams(n, ignore_eos=True)
+        )  # no shared prefix
     kv = torch.zeros(161, layers, 2, bs, hkv, d)  # block-major, as KvCache lays it out
     backend = TorchAttentionBackend([kv[:, i] for i in range(layers)], bs, scale=d**-0.5)
     got = {r: [torch.full((p + n, hq, d), float("nan")) for _ in range(layers)] for r, (p, n) in lens.items()}
@@ -137,8 +139,8 @@ def test_flashinfer_plan_metadata_from_the_core_arrays() -> None:
     s = Scheduler(
         SchedulerConfig(block_size=4, num_device_blocks=32, max_num_batched_tokens=16, max_model_len=64)
     )
-    s.add_request(1, list(range(1, 11)), 3, ignore_eos=True)
-    s.add_request(2, list(range(20, 26)), 3, ignore_eos=True)
+    s.add_request(1, list(range(1, 11)), RequestParams(3, ignore_eos=True))
+    s.add_request(2, list(range(20, 26)), RequestParams(3, ignore_eos=True))
     tables = BlockTable(4, 16, 4)
     out = s.schedule()
     m = plan_metadata(tables.step(out))
@@ -179,7 +181,7 @@ def test_graph_padding_keeps_the_step_and_pads_on_the_null_block() -> None:
         SchedulerConfig(block_size=bs, num_device_blocks=32, max_num_batched_tokens=64, max_model_len=64)
     )
     for r, n in enumerate((9, 4, 13)):
-        s.add_request(r, list(range(100 * r + 1, 100 * r + 1 + n)), 4, ignore_eos=True)
+        s.add_request(r, list(range(100 * r + 1, 100 * r + 1 + n)), RequestParams(4, ignore_eos=True))
     tables = BlockTable(4, 16, bs)
     out = s.schedule()
     with pytest.raises(ValueError, match="decode-only"):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import ferryman
-from ferryman import EngineError, InvalidRequestError, Scheduler, SchedulerConfig
+from ferryman import EngineError, InvalidRequestError, RequestParams, Scheduler, SchedulerConfig
 
 INT32_FIELDS = [
     "seq_indices",
@@ -67,8 +67,8 @@ def make(**kw: object) -> Scheduler:
 
 def test_every_output_array_has_its_dtype_and_shape() -> None:
     s = make(num_host_blocks=4)
-    s.add_request(3, [1, 2, 3, 4, 5, 6], 4, n=2)
-    s.add_request(4, np.array([9, 9, 9], dtype=np.int32), 2)
+    s.add_request(3, [1, 2, 3, 4, 5, 6], RequestParams(4, n=2))
+    s.add_request(4, np.array([9, 9, 9], dtype=np.int32), RequestParams(2))
     out = s.schedule()
     for name in INT32_FIELDS:
         a = getattr(out, name)
@@ -102,7 +102,7 @@ def test_output_arrays_are_wrapped_once_and_outlive_their_output() -> None:
     """Arrays become numpy objects when first read: a second read gives the same object, and an
     array read before its output (or result) is dropped keeps its data."""
     s = Scheduler(SchedulerConfig(block_size=4, num_device_blocks=16, max_model_len=64))
-    s.add_request(7, list(range(1, 11)), 3)
+    s.add_request(7, list(range(1, 11)), RequestParams(3))
     out = s.schedule()
     arrays = {name: getattr(out, name) for name in [*INT32_FIELDS, *INT64_FIELDS, *PAIR_FIELDS]}
     assert all(getattr(out, name) is a for name, a in arrays.items())
@@ -117,7 +117,7 @@ def test_output_arrays_are_wrapped_once_and_outlive_their_output() -> None:
 
 def test_update_takes_other_integer_dtypes() -> None:
     s = make()
-    s.add_request(1, [1, 2], 1)
+    s.add_request(1, [1, 2], RequestParams(1))
     s.schedule()
     res = s.update(np.array([5], dtype=np.int64))
     assert res.finish_reasons == ["length"]
@@ -128,31 +128,54 @@ def test_update_takes_other_integer_dtypes() -> None:
 @pytest.mark.parametrize(
     ("call", "needle"),
     [
-        (lambda s: s.add_request(1, [], 4), "empty"),
-        (lambda s: s.add_request(-1, [1], 4), "req_id"),
-        (lambda s: s.add_request(1, [1], 0), "max_tokens"),
-        (lambda s: s.add_request(1, [1], 4, n=0), "n must be"),
-        (lambda s: s.add_request(1, [-5], 4), "token id"),
-        (lambda s: s.add_request(1, [1] * 60, 10), "max_model_len"),
-        (lambda s: s.add_request(1, [1] * 60, 4), "could never fit"),
-        (lambda s: s.add_request(1, [1], 4, eos_token_id=-1), "token id"),
+        (lambda s: s.add_request(1, [], RequestParams(4)), "empty"),
+        (lambda s: s.add_request(-1, [1], RequestParams(4)), "req_id"),
+        (lambda s: s.add_request(1, [1], RequestParams(0)), "max_tokens"),
+        (lambda s: s.add_request(1, [1], RequestParams(4, n=0)), "n must be"),
+        (lambda s: s.add_request(1, [-5], RequestParams(4)), "token id"),
+        (lambda s: s.add_request(1, [1] * 60, RequestParams(10)), "max_model_len"),
+        (lambda s: s.add_request(1, [1] * 60, RequestParams(4)), "could never fit"),
+        (lambda s: s.add_request(1, [1], RequestParams(4, eos_token_ids=[-1])), "token id"),
         (lambda s: s.finish_request(77, "stop"), "unknown request 77"),
         (lambda s: s.finish_request(5, "done"), "finish reason"),
     ],
 )
 def test_bad_calls_raise_invalid_request_error(call, needle: str) -> None:  # type: ignore[no-untyped-def]
     s = make(num_device_blocks=8)
-    s.add_request(5, [1, 2, 3], 2)
+    s.add_request(5, [1, 2, 3], RequestParams(2))
     with pytest.raises(InvalidRequestError, match=needle):
         call(s)
     s.check_invariants()
 
 
+def test_request_params_are_one_record_validated_once() -> None:
+    p = RequestParams(
+        8, priority=2, eos_token_ids=[5, 6], stop_token_ids=[9], n=2, detokenize=True, stop=["!"]
+    )
+    assert (p.max_tokens, p.priority, p.eos_token_ids, p.stop_token_ids) == (8, 2, [5, 6], [9])
+    assert (p.ignore_eos, p.n, p.detokenize, p.stop) == (False, 2, True, ["!"])
+    assert repr(p).startswith("RequestParams(max_tokens=8, priority=2, eos_token_ids=[5, 6]")
+    for kwargs, needle in [
+        ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),
+        ({"max_tokens": 4, "n": 0}, "n must be >= 1, got 0"),
+        ({"max_tokens": 4, "stop_token_ids": [2**31]}, "stop_token_ids: token id"),
+        ({"max_tokens": 4, "detokenize": True, "stop": [""]}, "empty"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=needle):
+            RequestParams(**kwargs)  # type: ignore[arg-type]
+    s = make()
+    s.add_request(1, [1, 2], RequestParams(4, eos_token_ids=[7, 8]))
+    s.add_request(2, [3, 4], RequestParams(4, eos_token_ids=[7, 8], ignore_eos=True))
+    s.schedule()
+    res = s.update(np.array([8, 8], dtype=np.int32))  # any of the model's EOS ids stops, unless ignored
+    assert res.finish_reasons == ["stop", None]
+
+
 def test_duplicate_ids_and_protocol_misuse() -> None:
     s = make()
-    s.add_request(1, [1, 2, 3], 2)
+    s.add_request(1, [1, 2, 3], RequestParams(2))
     with pytest.raises(InvalidRequestError, match="already exists"):
-        s.add_request(1, [4], 2)
+        s.add_request(1, [4], RequestParams(2))
     with pytest.raises(EngineError, match="without a schedule"):
         s.update([])
     out = s.schedule()
@@ -171,8 +194,8 @@ def test_async_scheduling_plans_a_step_while_one_is_in_flight() -> None:
     one step late drops the extra sample; a third schedule() is refused."""
     s = make(async_scheduling=True)
     assert s.config.async_scheduling and "async_scheduling=True" in repr(s.config)
-    s.add_request(1, [1, 2, 3], 5, stop_token_ids=[8])
-    s.add_request(2, [4, 5], 5)
+    s.add_request(1, [1, 2, 3], RequestParams(5, stop_token_ids=[8]))
+    s.add_request(2, [4, 5], RequestParams(5))
     first = s.schedule()
     assert list(first.sample_req_ids) == [1, 2] and len(first.inflight_token_indices) == 0
     second = s.schedule()  # both decode the token sampled in `first`, still in flight
@@ -195,8 +218,8 @@ def test_async_scheduling_plans_a_step_while_one_is_in_flight() -> None:
 
 def test_events_and_stats_report_a_preemption() -> None:
     s = make(block_size=2, num_device_blocks=4, preemption_mode="swap", num_host_blocks=8, watermark=0.0)
-    s.add_request(1, [1, 2, 3], 4, ignore_eos=True)
-    s.add_request(2, [4, 5, 6], 4, ignore_eos=True)
+    s.add_request(1, [1, 2, 3], RequestParams(4, ignore_eos=True))
+    s.add_request(2, [4, 5, 6], RequestParams(4, ignore_eos=True))
     preempted = []
     while s.has_unfinished_requests():
         out = s.schedule()

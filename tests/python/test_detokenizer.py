@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from tiny_models import build
 
-from ferryman._core import InvalidRequestError, Scheduler, SchedulerConfig
+from ferryman._core import InvalidRequestError, RequestParams, Scheduler, SchedulerConfig
 from ferryman.engine import Engine
 from ferryman.sampling_params import SamplingParams
 
@@ -62,7 +62,7 @@ def run(
     finish reason and output tokens."""
     s = Scheduler(SchedulerConfig(block_size=16, num_device_blocks=64, max_num_seqs=4, max_model_len=1024))
     s.set_tokenizer(tokenizer.backend_tokenizer.to_str())
-    s.add_request(0, [1], len(ids), ignore_eos=True, detokenize=True, stop=stop or [])
+    s.add_request(0, [1], RequestParams(len(ids), ignore_eos=True, detokenize=True, stop=stop or []))
     deltas = []
     for t in ids:
         s.schedule()
@@ -139,12 +139,12 @@ def test_stop_strings_cut_where_transformers_text_first_shows_one(
 def test_stop_strings_need_text(byte_level: Any) -> None:
     s = Scheduler(SchedulerConfig(block_size=16, num_device_blocks=8, max_model_len=64))
     with pytest.raises(InvalidRequestError, match="tokenizer"):
-        s.add_request(0, [1], 4, detokenize=True)
+        s.add_request(0, [1], RequestParams(4, detokenize=True))
     with pytest.raises(InvalidRequestError, match="detokenize"):
-        s.add_request(0, [1], 4, stop=["x"])
+        s.add_request(0, [1], RequestParams(4, stop=["x"]))
     s.set_tokenizer(byte_level.backend_tokenizer.to_str())
     with pytest.raises(InvalidRequestError, match="empty"):
-        s.add_request(0, [1], 4, detokenize=True, stop=[""])
+        s.add_request(0, [1], RequestParams(4, detokenize=True, stop=[""]))
 
 
 def test_stop_string_spanning_tokens_cuts_the_text(model_dir: Path) -> None:

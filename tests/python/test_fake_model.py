@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fakemodel import FakeModel, run_to_completion
-from ferryman import Scheduler, SchedulerConfig
+from ferryman import RequestParams, Scheduler, SchedulerConfig
 
 Arrivals = dict[int, list[tuple[int, list[int], int, dict[str, int]]]]
 
@@ -115,7 +115,7 @@ def test_abort_and_stop_string_finish_free_blocks_mid_run() -> None:
     s = Scheduler(c)
     model = FakeModel(4, 12, 8)
     for r in range(6):
-        s.add_request(r, [r + 1] * 10, 20, ignore_eos=True, n=2 if r == 0 else 1)
+        s.add_request(r, [r + 1] * 10, RequestParams(20, ignore_eos=True, n=2 if r == 0 else 1))
     for step in range(12):
         out = s.schedule()
         if step == 5:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ferryman._core import Scheduler
+from ferryman._core import RequestParams, Scheduler
 from ferryman.engine_args import SchedulerArgs, at_least, in_unit_interval, knob
 from ferryman.outputs import PreemptionEvent, StepStats
 from ferryman.sim.cost import Roofline
@@ -149,7 +149,7 @@ def simulate(
     while nxt < n or sched.has_unfinished_requests():
         while nxt < n and work.arrival_s[nxt] <= clock:
             prio = 0 if work.priority is None else int(work.priority[nxt])
-            sched.add_request(nxt, work.prompts[nxt], int(out_len[nxt]), priority=prio)
+            sched.add_request(nxt, work.prompts[nxt], RequestParams(int(out_len[nxt]), priority=prio))
             nxt += 1
         if not sched.has_unfinished_requests():
             clock = float(work.arrival_s[nxt])

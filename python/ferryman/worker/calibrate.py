@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ferryman._core import Scheduler, SchedulerConfig
+from ferryman._core import RequestParams, Scheduler, SchedulerConfig
 from ferryman.worker.kv_cache import KvCache
 from ferryman.worker.model_runner import ModelRunner
 
@@ -55,7 +55,7 @@ def prefill_tokens_per_s(
     )
     rate = 0.0
     for rid, n in enumerate((min(8, num_tokens), num_tokens)):
-        s.add_request(rid, [(7 * i + rid) % vocab for i in range(n)], 1)
+        s.add_request(rid, [(7 * i + rid) % vocab for i in range(n)], RequestParams(1))
         out = s.schedule()
         _sync(runner.device)
         t = time.perf_counter()

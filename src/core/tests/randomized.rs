@@ -114,7 +114,7 @@ impl Harness {
         let params = RequestParams {
             max_tokens: rng.range(1, 12),
             priority: rng.below(3) as i32,
-            eos_token_id: rng.chance(0.3).then_some(1),
+            eos_token_ids: if rng.chance(0.3) { vec![1] } else { vec![] },
             stop_token_ids: if rng.chance(0.2) { vec![2] } else { vec![] },
             ignore_eos: rng.chance(0.2),
             n: if rng.chance(0.2) { rng.range(2, 3) as u32 } else { 1 },
@@ -306,7 +306,7 @@ impl Harness {
             let t = *seq.tokens.last().unwrap();
             let p = &seq.params;
             let outputs = seq.tokens.len() - seq.num_prompt;
-            let want = if (!p.ignore_eos && p.eos_token_id == Some(t)) || p.stop_token_ids.contains(&t) {
+            let want = if (!p.ignore_eos && p.eos_token_ids.contains(&t)) || p.stop_token_ids.contains(&t) {
                 Some(FinishReason::Stop)
             } else if outputs >= p.max_tokens || seq.tokens.len() >= self.cfg.max_model_len {
                 Some(FinishReason::Length)

@@ -52,7 +52,7 @@ fn one_request_from_prefill_to_length_finish() {
 fn stop_token_and_eos_finish_with_stop() {
     let mut s = Scheduler::new(cfg(4, 8, 0)).unwrap();
     let eos = fake_token(1, 0, 2) as u32;
-    let p = RequestParams { eos_token_id: Some(eos), ..params(10) };
+    let p = RequestParams { eos_token_ids: vec![eos], ..params(10) };
     s.add_request(1, vec![1, 2], p.clone()).unwrap();
     s.add_request(2, vec![1, 2], RequestParams { ignore_eos: true, stop_token_ids: vec![], ..p }).unwrap();
     s.schedule().unwrap();

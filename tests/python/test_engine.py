@@ -39,11 +39,14 @@ def hf_greedy(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_greedy_matches_transformers(models: dict[str, Path], kind: str) -> None:
     want = hf_greedy(models[kind], PROMPTS, 12)
-    eng = Engine(str(models[kind]), block_size=4, num_device_blocks=64, num_host_blocks=0)
-    outs = eng.generate(PROMPTS, GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == want
-    assert [o.prompt_token_ids for o in outs] == PROMPTS
-    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+    for overlap in (False, True):
+        eng = Engine(
+            str(models[kind]), block_size=4, num_device_blocks=64, num_host_blocks=0, async_scheduling=overlap
+        )
+        outs = eng.generate(PROMPTS, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == want, f"async_scheduling={overlap}"
+        assert [o.prompt_token_ids for o in outs] == PROMPTS
+        assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
 
 
 def ample_and_tight(path: str, mode: str) -> tuple[Engine, Engine]:

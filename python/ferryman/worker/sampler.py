@@ -20,10 +20,10 @@ _M52 = (1 << 52) - 1
 _M35 = (1 << 35) - 1
 
 
-def _uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Uniform (0, 1) noise ``[S, vocab]`` from int64 counters (wrapping arithmetic)."""
-    idx = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
-    x = seeds[:, None] * 6364136223846793005 + positions[:, None] * 1442695040888963407 + idx[None, :]
+def _uniform(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Uniform (0, 1) noise of each row's ``token_ids`` (``[S, C]``, or ``[C]`` for every row),
+    a hash of (seed, position, token id) in int64 counters (wrapping arithmetic)."""
+    x = seeds[:, None] * 6364136223846793005 + positions[:, None] * 1442695040888963407 + token_ids
     for _ in range(3):
         x = x ^ ((x >> 29) & _M35)
         x = x * 2685821657736338717
@@ -41,30 +41,48 @@ def sample(
     positions: torch.Tensor,
 ) -> torch.Tensor:
     """One token per row of float32 ``logits [S, V]``; per-row parameters are 1-D tensors
-    (``top_k <= 0`` means off). Rows with ``temperature == 0`` take the argmax."""
+    (``top_k <= 0`` means off). Rows with ``temperature == 0`` take the argmax.
+
+    One sort serves top-k and top-p. When they filter, the race runs only over each row's
+    survivors (a prefix of its sorted order; every other token has probability 0 and cannot
+    win), so its noise costs ``[S, W]`` with W the most survivors of any row, not ``[S, V]``.
+    The probabilities are still computed over whole vocabulary rows and the race's padding is
+    exact zeros, so a row's sample never depends on the batch."""
     greedy = logits.argmax(dim=-1)
     rand = temperature > 0
     if not bool(rand.any()):
         return greedy.to(torch.int32)
     lg = logits[rand] / temperature[rand, None]
     vocab = lg.shape[-1]
-    k = top_k[rand]
-    if bool((k > 0).any()):
-        kk = torch.where(k > 0, k, vocab).clamp(max=vocab)
-        kth = lg.sort(dim=-1, descending=True).values.gather(1, (kk - 1)[:, None])
-        lg = lg.masked_fill(lg < kth, float("-inf"))
-    p = top_p[rand]
-    if bool((p < 1).any()):
+    k, p = top_k[rand], top_p[rand]
+    use_k, use_p = bool((k > 0).any()), bool((p < 1).any())
+    kk = torch.where(k > 0, k, vocab).clamp(max=vocab)
+    order = None  # each row's token ids by descending logit, when a filter needs them
+    if use_k or use_p:
         sorted_lg, order = lg.sort(dim=-1, descending=True)
-        probs = sorted_lg.softmax(dim=-1)
-        drop = probs.cumsum(dim=-1) - probs > p[:, None]  # keep the smallest prefix reaching p
-        lg = lg.scatter(1, order, sorted_lg.masked_fill(drop, float("-inf")))
+        if use_k:
+            kth = sorted_lg.gather(1, (kk - 1)[:, None])
+            lg = lg.masked_fill(lg < kth, float("-inf"))
+            sorted_lg = sorted_lg.masked_fill(sorted_lg < kth, float("-inf"))
+        if use_p:
+            probs = sorted_lg.softmax(dim=-1)
+            drop = probs.cumsum(dim=-1) - probs > p[:, None]  # keep the smallest prefix reaching p
+            sorted_lg = sorted_lg.masked_fill(drop, float("-inf"))
+            lg = lg.scatter(1, order, sorted_lg)
+        # the survivors are a prefix of `order`; the longest row's sets the race's width
+        width = int((sorted_lg > float("-inf")).sum(dim=-1).max())
     probs = lg.softmax(dim=-1)
     mp = min_p[rand]
     if bool((mp > 0).any()):
         probs = probs.masked_fill(probs < mp[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-    noise = -torch.log(_uniform(seeds[rand], positions[rand], vocab))
-    chosen = (probs.double() / noise).argmax(dim=-1)
+    seed, pos = seeds[rand], positions[rand]
+    if order is not None and width < vocab:  # the race over each row's candidates only
+        cand = order[:, :width]
+        race = probs.gather(1, cand).double() / -torch.log(_uniform(seed, pos, cand))
+        chosen = cand.gather(1, race.argmax(dim=-1, keepdim=True))[:, 0]
+    else:
+        ids = torch.arange(vocab, dtype=torch.int64, device=lg.device)
+        chosen = (probs.double() / -torch.log(_uniform(seed, pos, ids))).argmax(dim=-1)
     out = greedy.clone()
     out[rand] = chosen
     return out.to(torch.int32)

@@ -198,11 +198,10 @@ class Engine:
     def _plan(self) -> Any:
         """``schedule()`` and the bookkeeping of the planned step."""
         out = self.scheduler.schedule()
-        now = time.monotonic()
-        reqs = self._outputs.reqs
-        qo_lens = np.diff(out.qo_indptr)
-        if len(qo_lens):  # a request's first scheduled row is a prompt chunk: decode rows are skipped
-            for r in out.req_ids[(qo_lens > 1) | (out.seq_lens == qo_lens)].tolist():
+        added = out.added_req_ids  # a sequence scheduled for the first time takes a batch row
+        if len(added):
+            now, reqs = time.monotonic(), self._outputs.reqs
+            for r in added.tolist():
                 st = reqs.get(r)
                 if st is not None and st.metrics.first_scheduled_time is None:
                     st.metrics.first_scheduled_time = now

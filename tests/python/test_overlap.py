@@ -95,6 +95,9 @@ def test_overlap_streams_the_same_deltas_and_counts_only_kept_tokens(model: Path
             assert res.stats is not None
             generated += res.stats.num_generated_tokens
             for o in res.outputs:
+                m = o.metrics
+                assert m.first_scheduled_time is not None and m.first_token_time is not None
+                assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time
                 got[o.request_id] = got.get(o.request_id, "") + o.outputs[0].text
                 tokens[o.request_id] = tokens.get(o.request_id, 0) + len(o.outputs[0].token_ids)
         assert generated == sum(tokens.values())

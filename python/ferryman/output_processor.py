@@ -1,5 +1,7 @@
 """Output processing: turns the core's ``StepOutputs`` (per sample row its token, its releasable
-new text and finish reason, plus the whole output of every sequence that finished) into the
+new text and finish reason, plus the whole output of every sequence that finished; a row with no
+output token is a sample the core dropped, e.g. of a fork that stopped while its next token was
+already planned) into the
 ``RequestOutput`` objects a caller is handed, per request's ``output_kind``. The core owns
 tokens, text and stop conditions; this owns only what the core does not: the caller's ids and
 prompt, metrics, logprobs, and the live outputs of "cumulative" requests.
@@ -68,10 +70,10 @@ class OutputProcessor:
         touched: dict[int, RequestState] = {}
         deltas: dict[int, list[CompletionOutput]] = {}
         if self._num_per_row:
-            toks, texts = res.new_token_ids.tolist(), res.deltas
+            toks, texts, nout = res.new_token_ids.tolist(), res.deltas, res.num_output_tokens.tolist()
             for i, rid in enumerate(ids):
                 st = reqs.get(rid)
-                if st is None or not st.per_row:
+                if st is None or not st.per_row or not nout[i]:  # 0 outputs: a dropped sample
                     continue
                 k, tok, lp = ks[i], toks[i], None if lps is None else lps[i]
                 kind = st.params.output_kind

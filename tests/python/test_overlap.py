@@ -127,3 +127,59 @@ def test_abort_while_a_token_is_in_flight_keeps_the_others(model: Path) -> None:
     assert [done[str(i)] for i in range(len(prompts)) if i != 5] == [w for i, w in enumerate(want) if i != 5]
     st = eng.stats()
     assert st["num_free_device_blocks"] == 24 and st["num_free_host_blocks"] == 32
+
+
+def collect(eng: Engine, prompt: str, sp: SamplingParams) -> list[tuple[list[int], str | None, int]]:
+    """Each fork's tokens, finish reason and logprob count as a caller sees them, per output kind
+    (deltas concatenated; nothing may follow a fork's finish)."""
+    eng.add_request("r", prompt, sp)
+    forks: dict[int, tuple[list[int], str | None, int]] = {}
+    while eng.has_unfinished_requests():
+        for ro in eng.step().outputs:
+            for o in ro.outputs:
+                lps = len(o.logprobs or [])
+                if sp.output_kind != "delta":
+                    forks[o.index] = (list(o.token_ids), o.finish_reason, lps)
+                    continue
+                toks, reason, n = forks.get(o.index, ([], None, 0))
+                assert reason is None or not o.token_ids, "a delta after the fork finished"
+                forks[o.index] = (toks + o.token_ids, reason or o.finish_reason, n + lps)
+    return [forks[k] for k in sorted(forks)]
+
+
+@pytest.mark.parametrize("kind", ["cumulative", "delta", "final_only"])
+def test_a_fork_that_stops_early_hands_out_no_dropped_token(model: Path, kind: str) -> None:
+    """n = 2 where one fork stops while the other runs on: that fork's sample planned before its
+    stop is dropped by the core and must reach no output, token or logprob."""
+    prompt = "the river runs to the sea and "
+    base = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=12, ignore_eos=True, logprobs=1)
+    probe = engine(model, False).generate([prompt], [base])[0]
+    f0, f1 = probe.outputs[0].token_ids, probe.outputs[1].token_ids
+    stop = next(t for j, t in enumerate(f0) if j >= 2 and t not in f1 and t not in f0[:j])
+    sp = dataclasses.replace(base, stop_token_ids=[stop], output_kind=kind)
+    want = collect(engine(model, False), prompt, sp)
+    assert want[0][1] == "stop" and want[1][1] == "length" and len(want[0][0]) < len(want[1][0])
+    assert collect(engine(model, True), prompt, sp) == want
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_parent_preempted_before_its_fork_loses_its_samples_cleanly(model: Path, mode: str) -> None:
+    """An n = 2 parent preempted while its prompt's samples are in flight is recomputed (event
+    reason "fork"); the dropped samples must not reach the forks' cumulative outputs."""
+    prompts, _ = workload(model)
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, n=2, output_kind="cumulative")
+    outs = {}
+    for on in (False, True):
+        eng = engine(model, on, "tight", preemption_mode=mode)
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), p, sp)
+        got, reasons = {}, set()
+        while eng.has_unfinished_requests():
+            res = eng.step()
+            reasons |= {e.reason for e in res.preemptions}
+            got.update({o.request_id: [c.token_ids for c in o.outputs] for o in res.outputs})
+        outs[on] = got
+        if on:
+            assert "fork" in reasons, "the pool must preempt a parent before its fork"
+    assert outs[True] == outs[False]
+    assert all(len(t) == 10 for forks in outs[True].values() for t in forks)

@@ -101,7 +101,6 @@ impl Scheduler {
                     row
                 }
             };
-            let r = &*r;
             // a copy-on-write replaced the entry of the block this step writes first
             let sent = if s.cow.is_some() { self.batch.sent(row).min(start >> shift) } else { self.batch.sent(row) };
             for (col, &block) in table.iter().enumerate().take(num_blocks).skip(sent) {
@@ -145,17 +144,15 @@ impl Scheduler {
                     o.sample_seq_indices.push(seq_index as i32);
                     samples.push(Sample { req_idx: s.req_idx, req_id: r.req_id, seq_index });
                 }
-                let r = self.reqs.get_mut(s.req_idx);
                 r.num_inflight += 1;
                 r.last_sample = first;
-                r.num_computed_tokens = end;
                 if s.num_new > 1 {
                     num_prefill_tokens += s.num_new;
                 }
             } else {
                 num_prefill_tokens += s.num_new;
-                self.reqs.get_mut(s.req_idx).num_computed_tokens = end;
             }
+            r.num_computed_tokens = end;
         }
         o.rows_removed = self.batch.take_removed();
         o.blocks_to_swap_out = plan.swap_out;

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ferryman.worker.sampler import _uniform, sample
+from ferryman.worker.sampler import Filters, _uniform, sample, sample_random
 
 
 def reference(
@@ -65,3 +65,10 @@ def test_sample_matches_the_full_vocabulary_reference(vocab: int) -> None:
     for k, p in ((torch.full((rows,), 8), torch.ones(rows)), (torch.full((rows,), -1), torch.ones(rows))):
         args = (logits, temperature, k.to(torch.int64), p, min_p, seeds, positions)
         assert sample(*args).tolist() == reference(*args)
+    # the race over whole rows (what CUDA runs, so no width is read back) picks the same tokens
+    r = (temperature > 0).nonzero()[:, 0]
+    rows_r = (logits[r], temperature[r], top_k[r], top_p[r], min_p[r], seeds[r], positions[r])
+    every = Filters(top_k=True, top_p=True, min_p=True)
+    whole = sample_random(*rows_r, every, window=False)
+    assert whole.tolist() == sample_random(*rows_r, every, window=True).tolist()
+    assert whole.tolist() == [want[i] for i in r.tolist()]

@@ -31,6 +31,66 @@ def _uniform(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tens
     return u.clamp_(1e-12, 1.0 - 1e-12)
 
 
+@dataclass(slots=True, frozen=True)
+class Filters:
+    """Which filters any random row of a step uses, known on the host (so the device is never
+    asked, which would wait for it)."""
+
+    top_k: bool
+    top_p: bool
+    min_p: bool
+
+
+def sample_random(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    filters: Filters,
+    window: bool | None = None,
+) -> torch.Tensor:
+    """One token (int64) per row of float32 ``logits [R, V]``, every row random (temperature
+    > 0); per-row parameters are 1-D tensors (``top_k <= 0`` means off).
+
+    One sort serves top-k and top-p. On CPU, when they filter, the race runs only over each
+    row's survivors (a prefix of its sorted order; every other token has probability 0 and
+    cannot win), so its noise costs ``[R, W]`` with W the most survivors of any row, not
+    ``[R, V]``; the probabilities are still computed over whole vocabulary rows and the race's
+    padding is exact zeros, so a row's sample never depends on the batch. On CUDA the race
+    covers the whole row: W would have to be read back from the device, a wait per step
+    (``window`` overrides the choice; both give the same tokens)."""
+    lg = logits / temperature[:, None]
+    vocab = lg.shape[-1]
+    order, width = None, vocab  # each row's token ids by descending logit, when a filter needs them
+    if filters.top_k or filters.top_p:
+        sorted_lg, order = lg.sort(dim=-1, descending=True)
+        if filters.top_k:
+            kk = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+            kth = sorted_lg.gather(1, (kk - 1)[:, None])
+            lg = lg.masked_fill(lg < kth, float("-inf"))
+            sorted_lg = sorted_lg.masked_fill(sorted_lg < kth, float("-inf"))
+        if filters.top_p:
+            probs = sorted_lg.softmax(dim=-1)
+            # the smallest prefix reaching p; rows with p = 1 keep all (rounding must not cut them)
+            drop = (probs.cumsum(dim=-1) - probs > top_p[:, None]) & (top_p < 1)[:, None]
+            sorted_lg = sorted_lg.masked_fill(drop, float("-inf"))
+            lg = lg.scatter(1, order, sorted_lg)
+        if lg.device.type == "cpu" if window is None else window:  # survivors: a prefix of `order`
+            width = int((sorted_lg > float("-inf")).sum(dim=-1).max())
+    probs = lg.softmax(dim=-1)
+    if filters.min_p:
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+    if order is not None and width < vocab:  # the race over each row's candidates only
+        cand = order[:, :width]
+        race = probs.gather(1, cand).double() / -torch.log(_uniform(seeds, positions, cand))
+        return cand.gather(1, race.argmax(dim=-1, keepdim=True))[:, 0]
+    ids = torch.arange(vocab, dtype=torch.int64, device=lg.device)
+    return (probs.double() / -torch.log(_uniform(seeds, positions, ids))).argmax(dim=-1)
+
+
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -40,52 +100,18 @@ def sample(
     seeds: torch.Tensor,
     positions: torch.Tensor,
 ) -> torch.Tensor:
-    """One token per row of float32 ``logits [S, V]``; per-row parameters are 1-D tensors
-    (``top_k <= 0`` means off). Rows with ``temperature == 0`` take the argmax.
-
-    One sort serves top-k and top-p. When they filter, the race runs only over each row's
-    survivors (a prefix of its sorted order; every other token has probability 0 and cannot
-    win), so its noise costs ``[S, W]`` with W the most survivors of any row, not ``[S, V]``.
-    The probabilities are still computed over whole vocabulary rows and the race's padding is
-    exact zeros, so a row's sample never depends on the batch."""
+    """One int32 token per row of ``logits [S, V]``: the argmax where ``temperature == 0``,
+    else ``sample_random``'s (the filters read from the tensors: a reference entry point;
+    ``SamplingTable`` passes what the host knows)."""
     greedy = logits.argmax(dim=-1)
     rand = temperature > 0
     if not bool(rand.any()):
         return greedy.to(torch.int32)
-    lg = logits[rand] / temperature[rand, None]
-    vocab = lg.shape[-1]
-    k, p = top_k[rand], top_p[rand]
-    use_k, use_p = bool((k > 0).any()), bool((p < 1).any())
-    kk = torch.where(k > 0, k, vocab).clamp(max=vocab)
-    order = None  # each row's token ids by descending logit, when a filter needs them
-    if use_k or use_p:
-        sorted_lg, order = lg.sort(dim=-1, descending=True)
-        if use_k:
-            kth = sorted_lg.gather(1, (kk - 1)[:, None])
-            lg = lg.masked_fill(lg < kth, float("-inf"))
-            sorted_lg = sorted_lg.masked_fill(sorted_lg < kth, float("-inf"))
-        if use_p:
-            probs = sorted_lg.softmax(dim=-1)
-            drop = probs.cumsum(dim=-1) - probs > p[:, None]  # keep the smallest prefix reaching p
-            sorted_lg = sorted_lg.masked_fill(drop, float("-inf"))
-            lg = lg.scatter(1, order, sorted_lg)
-        # the survivors are a prefix of `order`; the longest row's sets the race's width
-        width = int((sorted_lg > float("-inf")).sum(dim=-1).max())
-    probs = lg.softmax(dim=-1)
-    mp = min_p[rand]
-    if bool((mp > 0).any()):
-        probs = probs.masked_fill(probs < mp[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-    seed, pos = seeds[rand], positions[rand]
-    if order is not None and width < vocab:  # the race over each row's candidates only
-        cand = order[:, :width]
-        race = probs.gather(1, cand).double() / -torch.log(_uniform(seed, pos, cand))
-        chosen = cand.gather(1, race.argmax(dim=-1, keepdim=True))[:, 0]
-    else:
-        ids = torch.arange(vocab, dtype=torch.int64, device=lg.device)
-        chosen = (probs.double() / -torch.log(_uniform(seed, pos, ids))).argmax(dim=-1)
-    out = greedy.clone()
-    out[rand] = chosen
-    return out.to(torch.int32)
+    r = rand.nonzero()[:, 0]
+    k, p, mp = top_k[r], top_p[r], min_p[r]
+    filters = Filters(bool((k > 0).any()), bool((p < 1).any()), bool((mp > 0).any()))
+    chosen = sample_random(logits[r], temperature[r], k, p, mp, seeds[r], positions[r], filters)
+    return greedy.index_copy(0, r, chosen).to(torch.int32)
 
 
 def gather_logprobs(
@@ -121,8 +147,13 @@ class SampleArgs:
 
     rows_added: np.ndarray  # int64 [A]
     added: dict[str, np.ndarray]  # column -> [A] values
-    any_random: bool
+    random: np.ndarray  # int64: the samples with temperature > 0
+    filters: Filters  # what those use
     wanted: list[int | None] | None  # per sample: top-N logprobs, or None; None: no sample wants
+
+    @property
+    def any_random(self) -> bool:
+        return len(self.random) > 0
 
 
 class SamplingTable:
@@ -180,7 +211,17 @@ class SamplingTable:
         wanted = None
         if self.num_logprobs:
             wanted = [None if n < 0 else n for n in self.logprobs[out.sample_req_ids].tolist()]
-        return SampleArgs(out.rows_added.astype(np.int64), added, self.num_random > 0, wanted)
+        random, filters = np.zeros(0, np.int64), Filters(False, False, False)
+        if self.num_random:
+            sid = out.sample_req_ids
+            random = np.flatnonzero(self.temperature[sid] > 0)
+            r = sid[random]
+            filters = Filters(
+                bool((self.top_k[r] > 0).any()),
+                bool((self.top_p[r] < 1).any()),
+                bool((self.min_p[r] > 0).any()),
+            )
+        return SampleArgs(out.rows_added.astype(np.int64), added, random, filters, wanted)
 
     def write_rows(self, a: SampleArgs) -> None:
         """The rows the step takes get their requests' parameters, one copy per column."""
@@ -212,20 +253,24 @@ class SamplingTable:
             tokens = torch.from_numpy(logits.numpy().argmax(axis=-1).astype(np.int32))
         elif not a.any_random:
             tokens = logits.argmax(dim=-1).to(torch.int32)
-        else:
+        else:  # the random samples' parameters by their rows; no device-side test of any of them
             dev = logits.device
-            r = torch.from_numpy(rows.astype(np.int64)).to(dev)
+            sel = a.random
+            r = torch.from_numpy(rows[sel].astype(np.int64)).to(dev)
             p = {c: t[r] for c, t in self.by_row.items()}
-            forks = torch.from_numpy(seq_indices.astype(np.int64)).to(dev)
-            tokens = sample(
-                logits,
+            forks = torch.from_numpy(seq_indices[sel].astype(np.int64)).to(dev)
+            idx = torch.from_numpy(sel).to(dev)
+            chosen = sample_random(
+                logits.index_select(0, idx),
                 p["temperature"],
                 p["top_k"],
                 p["top_p"],
                 p["min_p"],
                 p["seed"] + 1000003 * forks,
-                torch.from_numpy(positions.astype(np.int64)).to(dev),
+                torch.from_numpy(positions[sel].astype(np.int64)).to(dev),
+                a.filters,
             )
+            tokens = logits.argmax(dim=-1).index_copy(0, idx, chosen).to(torch.int32)
         if a.wanted is None:
             return tokens, None
         return tokens, gather_logprobs(logits, tokens, a.wanted)

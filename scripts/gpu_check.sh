@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run THERE (a GPU machine, through the device tool with `carry: [".whl"]`), after
 # scripts/gpu_wheels.sh here. Installs the carried wheels, runs tests/gpu (FlashInfer vs the torch
-# reference; greedy parity under forced preemption in every mode), then benchmarks/gpu_bench.py and
-# benchmarks/gpu_profile.py, and prints one JSON summary (also written to $OUT/gpu.json when OUT is
+# reference; greedy parity under forced preemption in every mode; overlap on/off parity), then
+# benchmarks/gpu_bench.py, benchmarks/gpu_profile.py and benchmarks/gpu_overlap.py (device idle
+# between decode steps, async scheduling on and off), and prints one JSON summary (also written to $OUT/gpu.json when OUT is
 # set; each stage's own output lands in $OUT as it finishes). Budget: < 8.5 minutes (device tool
 # timeout 540): each stage gets what is left of DEADLINE_S, keeping room for the ones after it.
 set -uo pipefail
@@ -23,23 +24,30 @@ timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W default -s
   | tee "$LOG/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 echo "tests done after $(( $(date +%s) - start )) s"
-t=$(left 100 60); t=$(( t < 240 ? t : 240 ))  # keep 100 s for the profile
+t=$(left 160 60); t=$(( t < 240 ? t : 240 ))  # keep 160 s for the profile and the overlap run
 echo "gpu_bench.py (timeout ${t} s)"
 timeout "$t" python3 benchmarks/gpu_bench.py > /tmp/gpu_bench.json 2> "$LOG/gpu_bench.err"
 bench_rc=$?
 cp /tmp/gpu_bench.json "$LOG/gpu_bench.json" 2>/dev/null || true
 tail -20 "$LOG/gpu_bench.err"
 echo "bench done after $(( $(date +%s) - start )) s"
-t=$(left 0 45); t=$(( t < 120 ? t : 120 ))
+t=$(left 60 45); t=$(( t < 120 ? t : 120 ))
 echo "gpu_profile.py (timeout ${t} s)"
 timeout "$t" python3 benchmarks/gpu_profile.py > /tmp/gpu_profile.json 2> "$LOG/gpu_profile.err"
 profile_rc=$?
 cp /tmp/gpu_profile.json "$LOG/gpu_profile.json" 2>/dev/null || true
 tail -20 "$LOG/gpu_profile.err"
 echo "profile done after $(( $(date +%s) - start )) s"
-python3 - "$tests_rc" "$bench_rc" "$start" "$profile_rc" <<'PY'
+t=$(left 0 45); t=$(( t < 90 ? t : 90 ))
+echo "gpu_overlap.py (timeout ${t} s)"
+(cd benchmarks && timeout "$t" python3 gpu_overlap.py) > /tmp/gpu_overlap.json 2> "$LOG/gpu_overlap.err"
+overlap_rc=$?
+cp /tmp/gpu_overlap.json "$LOG/gpu_overlap.json" 2>/dev/null || true
+tail -5 "$LOG/gpu_overlap.err"
+echo "overlap done after $(( $(date +%s) - start )) s"
+python3 - "$tests_rc" "$bench_rc" "$start" "$profile_rc" "$overlap_rc" <<'PY'
 import json, os, sys, time
-tests_rc, bench_rc, start, profile_rc = (int(a) for a in sys.argv[1:5])
+tests_rc, bench_rc, start, profile_rc, overlap_rc = (int(a) for a in sys.argv[1:6])
 tail = open(os.path.join(os.environ.get("OUT") or "/tmp", "gpu_tests.log")).read().strip().splitlines()[-1:]
 try:
     bench = json.load(open("/tmp/gpu_bench.json"))
@@ -49,10 +57,15 @@ try:
     profile = json.load(open("/tmp/gpu_profile.json"))
 except Exception as e:
     profile = {"error": repr(e)}
+try:
+    overlap = json.load(open("/tmp/gpu_overlap.json"))
+except Exception as e:
+    overlap = {"error": repr(e)}
 summary = {"tests_rc": tests_rc, "tests": tail, "bench_rc": bench_rc, "bench": bench,
-           "profile_rc": profile_rc, "profile": profile, "seconds": int(time.time()) - start}
+           "profile_rc": profile_rc, "profile": profile, "overlap_rc": overlap_rc, "overlap": overlap,
+           "seconds": int(time.time()) - start}
 print(json.dumps(summary))
 if os.environ.get("OUT"):
     open(os.path.join(os.environ["OUT"], "gpu.json"), "w").write(json.dumps(summary, indent=1))
 PY
-exit $(( tests_rc != 0 || bench_rc != 0 || profile_rc != 0 ))
+exit $(( tests_rc != 0 || bench_rc != 0 || profile_rc != 0 || overlap_rc != 0 ))

@@ -1,5 +1,6 @@
-"""benchmarks/gpu_profile.py, which scripts/gpu_check.sh runs on a GPU: its interval arithmetic and
-kernel classes, and a --smoke dry run on CPU so that the script cannot rot while no GPU is around."""
+"""benchmarks/gpu_profile.py and gpu_overlap.py, which scripts/gpu_check.sh runs on a GPU: the
+interval arithmetic and kernel classes, and --smoke dry runs on CPU so that the scripts cannot rot
+while no GPU is around."""
 
 from __future__ import annotations
 
@@ -76,3 +77,20 @@ def test_gpu_profile_script_dry_runs_on_cpu() -> None:
     for r in report["runs"]:
         assert r["kernels"] > 0 and 0 < r["busy_ms"] <= r["span_ms"]
         assert r["by_class"]["gemm"]["count"] > 0 and len(r["top"]) == 15
+
+
+def test_gpu_overlap_script_dry_runs_on_cpu() -> None:
+    """benchmarks/gpu_overlap.py (device idle between decode steps, overlap on and off)."""
+    args = ["--smoke", "--batch", "4", "--steps", "3", "--warmup", "1"]
+    p = subprocess.run(
+        [sys.executable, "gpu_overlap.py", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        cwd=BENCH,
+    )
+    report = json.loads(p.stdout)
+    for mode in ("sync", "async"):
+        r = report[mode]
+        assert 0 < r["busy_ms"] <= r["span_ms"] and 0 <= r["idle_of_span"] < 1 and r["step_ms"] > 0

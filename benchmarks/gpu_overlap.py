@@ -1,0 +1,114 @@
+"""The device's idle time between decode steps, with async scheduling on and off: the Engine on
+a small random Llama (``tests/python/tiny_models.py``: hidden 512, 4 layers, head size 64, built
+in a temp folder), ``--batch`` requests decoding together, CUDA graphs on (the default). After
+every prompt is prefilled and ``--warmup`` decode steps, ``--steps`` decode steps run under
+``torch.profiler`` with CUDA activity. Prints one JSON object; per mode:
+
+- ``step_ms``: wall time per ``Engine.step()`` over the profiled steps;
+- ``busy_ms``: the union of the device activities' intervals, per step; ``span_ms``: first start
+  to last end, per step; ``idle_of_span`` = 1 - busy / span: the share of the time the device
+  waited for the host (the issue's target: at most 0.05 with overlap at batch 256).
+
+``--smoke`` runs the same code on CPU with a tiny model, the ``aten::`` ops standing in for
+kernels (what CI checks; the figures mean nothing there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from gpu_bench import sync
+from gpu_profile import busy_ns, device_events
+from torch.profiler import ProfilerActivity, profile
+
+from ferryman.engine import Engine
+from ferryman.sampling_params import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_models() -> Any:
+    spec = importlib.util.spec_from_file_location("tiny_models", ROOT / "tests/python/tiny_models.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run(path: str, overlap: bool, a: argparse.Namespace) -> dict[str, Any]:
+    smoke = a.smoke
+    kw: dict[str, Any] = {"device": "cpu"} if smoke else {"device": "cuda", "dtype": "bfloat16"}
+    max_tokens = a.warmup + a.steps + 16
+    eng = Engine(
+        path,
+        async_scheduling=overlap,
+        block_size=16,
+        max_num_seqs=a.batch,
+        max_model_len=32 + max_tokens,
+        num_device_blocks=a.batch * ((32 + max_tokens) // 16 + 2),
+        num_host_blocks=0,
+        calibrate=False,
+        **kw,
+    )
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind="final_only")
+    for i in range(a.batch):
+        eng.add_request(str(i), [(7 * i + j) % 200 + 3 for j in range(32)], sp)
+    for _ in range(64):  # until every prompt is in and the steps decode only
+        st = eng.step().stats
+        if st is not None and st.num_prefill_tokens == 0 and st.num_running == a.batch:
+            break
+    for _ in range(a.warmup):
+        eng.step()
+    acts = [ProfilerActivity.CPU] + ([] if smoke else [ProfilerActivity.CUDA])
+    sync()
+    with profile(activities=acts) as prof:
+        t = time.perf_counter()
+        for _ in range(a.steps):
+            eng.step()
+        sync()
+        wall = time.perf_counter() - t
+    events = device_events(prof, smoke)
+    busy = busy_ns([(s, s + d) for _, s, d in events])
+    span = max(s + d for _, s, d in events) - min(s for _, s, _ in events) if events else 0
+    return {
+        "step_ms": round(wall / a.steps * 1e3, 3),
+        "busy_ms": round(busy / a.steps / 1e6, 3),
+        "span_ms": round(span / a.steps / 1e6, 3),
+        "idle_of_span": round(1 - busy / span, 4) if span else None,
+        "cuda_graph_steps": eng.stats()["num_cuda_graph_steps"],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--smoke", action="store_true", help="a tiny dry run on CPU (what CI checks)")
+    a = p.parse_args()
+    shape = {} if a.smoke else {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4}
+    if not a.smoke:
+        shape |= {"num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 1024}
+    report: dict[str, Any] = {
+        "device": "cpu (smoke)" if a.smoke else torch.cuda.get_device_name(),
+        "batch": a.batch,
+        "steps": a.steps,
+        "model": shape or "tiny",
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(tiny_models().build("llama", Path(tmp), **shape))
+        for overlap in (False, True):
+            report["async" if overlap else "sync"] = run(path, overlap, a)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,8 +14,16 @@
 //!   the prefix offset on, `read` is where the emitted text ends inside it, `before_chars` is the
 //!   length in chars of the window's decode up to `read` (Python compares lengths in chars).
 //!
-//! Invariants: on the table path `ids` is empty; in `Mode::ByteRuns` `run` holds only the trailing
-//! byte tokens, and `text` is what the tokens since the last emission decode to apart from `run`.
+//! Each table-path push costs O(the token's bytes), however long the held text grows: in
+//! `Mode::Lossy` every byte but an incomplete last character is decoded once, into `text`; in
+//! `Mode::ByteRuns` a run's validity is checked from where the last check stopped, and a run with
+//! an invalid sequence stays invalid (its bytes all become U+FFFD), so it is not checked again.
+//! (A model that emits invalid UTF-8 for a long stretch made every push re-decode all of it.)
+//!
+//! Invariants: on the table path `ids` is empty; in `Mode::Lossy` `raw` is at most an incomplete
+//! character (< 4 bytes) and `text` the held text before it; in `Mode::ByteRuns` `raw` holds only
+//! the trailing byte tokens, its first `run_valid` bytes are valid UTF-8 unless `run_broken`, and
+//! `text` is what the tokens since the last emission decode to apart from `raw`.
 
 use super::pieces::{push_run, Kind, Mode, Pieces};
 use super::Tokenizer;
@@ -34,8 +42,11 @@ pub(crate) struct Detok {
     /// Held, not yet emitted text: decoded text (ByteRuns), or the text `flush` would emit
     /// (generic).
     text: String,
-    /// Held raw bytes (Lossy), or the trailing run of byte tokens (ByteRuns).
+    /// An incomplete trailing character (Lossy), or the trailing run of byte tokens (ByteRuns).
     raw: Vec<u8>,
+    /// ByteRuns: how much of `raw` is known valid UTF-8, and whether it holds an invalid sequence.
+    run_valid: usize,
+    run_broken: bool,
     /// Generic path: the decode window, the emitted end inside it, and chars of its decode there.
     ids: Vec<u32>,
     read: usize,
@@ -52,6 +63,8 @@ impl Detok {
             strip_left,
             text: String::new(),
             raw: Vec::new(),
+            run_valid: 0,
+            run_broken: false,
             ids: vec![],
             read: 0,
             before_chars: 0,
@@ -73,7 +86,7 @@ impl Detok {
     /// Appends everything held, as the full decode shows it (an incomplete character as U+FFFD).
     pub fn flush(&mut self, out: &mut String) {
         match self.path {
-            Path::Lossy if !self.raw.is_empty() => out.push_str(&String::from_utf8_lossy(&self.raw)),
+            Path::Lossy if !self.raw.is_empty() => self.text.push(REPLACEMENT), // the cut character
             Path::Runs => self.resolve_run(),
             _ => {}
         }
@@ -82,23 +95,45 @@ impl Detok {
         self.text.clear();
     }
 
+    /// Held text = `text` + the lossy decode of `raw` (U+FFFD if `raw` is not empty); it is
+    /// emitted when it is not empty and does not end in U+FFFD.
+    /// The raw bytes held, and whether they are a broken run (tests: the state stays bounded).
+    #[cfg(test)]
+    pub(super) fn held_bytes(&self) -> (usize, bool) {
+        (self.raw.len(), self.run_broken)
+    }
+
     fn push_lossy(&mut self, p: &Pieces, id: u32, out: &mut String) {
         let (Kind::Piece, piece) = p.get(id) else { return };
         self.raw.extend_from_slice(piece);
-        match std::str::from_utf8(&self.raw) {
-            Ok(s) if !s.is_empty() && !s.ends_with(REPLACEMENT) => out.push_str(s),
-            Ok(_) => return,
-            // the bytes end inside a character: the decode ends in U+FFFD
-            Err(e) if e.error_len().is_none() => return,
-            Err(_) => {
-                let s = String::from_utf8_lossy(&self.raw);
-                if s.ends_with(REPLACEMENT) {
-                    return;
+        loop {
+            match std::str::from_utf8(&self.raw) {
+                Ok(s) => {
+                    self.text.push_str(s);
+                    self.raw.clear();
+                    break;
                 }
-                out.push_str(&s);
+                Err(e) => {
+                    let valid = e.valid_up_to();
+                    self.text.push_str(std::str::from_utf8(&self.raw[..valid]).expect("valid up to here"));
+                    match e.error_len() {
+                        // the bytes end inside a character: keep it, the decode ends in U+FFFD
+                        None => {
+                            self.raw.drain(..valid);
+                            break;
+                        }
+                        Some(n) => {
+                            self.text.push(REPLACEMENT);
+                            self.raw.drain(..valid + n);
+                        }
+                    }
+                }
             }
         }
-        self.raw.clear();
+        if self.raw.is_empty() && !self.text.is_empty() && !self.text.ends_with(REPLACEMENT) {
+            out.push_str(&self.text);
+            self.text.clear();
+        }
     }
 
     fn push_runs(&mut self, p: &Pieces, id: u32, out: &mut String) {
@@ -112,10 +147,18 @@ impl Detok {
             }
         }
         if !self.raw.is_empty() {
-            if std::str::from_utf8(&self.raw).is_err() {
-                return; // the run decodes to U+FFFDs so far: hold
+            if self.run_broken {
+                return; // an invalid sequence stays invalid: all U+FFFD, held until resolved
             }
-            self.resolve_run();
+            match std::str::from_utf8(&self.raw[self.run_valid..]) {
+                Ok(_) => self.resolve_run(),
+                Err(e) => {
+                    // the run decodes to U+FFFDs so far: hold
+                    self.run_valid += e.valid_up_to();
+                    self.run_broken = e.error_len().is_some();
+                    return;
+                }
+            }
         }
         if !self.text.is_empty() && !self.text.ends_with(REPLACEMENT) {
             out.push_str(&self.text);
@@ -125,6 +168,7 @@ impl Detok {
 
     /// Moves the run of byte tokens into `text` as `ByteFallback` decodes it.
     fn resolve_run(&mut self) {
+        (self.run_valid, self.run_broken) = (0, false);
         if self.raw.is_empty() {
             return;
         }

@@ -261,3 +261,27 @@ fn a_tokenizer_json_from_the_environment_matches_its_decode() {
     eprintln!("{path}: {tok:?}");
     check_real_tokenizer(&tok);
 }
+
+#[test]
+fn a_long_run_of_invalid_bytes_costs_the_same_per_token() {
+    // a lead byte repeated: each makes the one before it invalid, and the text always ends in an
+    // incomplete character, so nothing is emitted; the state must not grow with the run
+    for (tok, lead) in [(fixtures::byte_level(), "æ"), (fixtures::sentencepiece(), "<0xE6>")] {
+        let id = tok.hf().token_to_id(lead).expect("the fixture has a token for byte 0xE6");
+        let ids = vec![id; 300];
+        let deltas = stream(&tok, &ids, &[]).0;
+        assert_eq!(deltas.concat(), tok.decode(&ids).unwrap());
+        if tok.detok_path() == DetokPath::ByteLevel {
+            let generic = Tokenizer::new_generic(tok.hf().clone());
+            assert_eq!(deltas, stream(&generic, &ids, &[]).0);
+        }
+        let mut d = detokenize::Detok::new(&tok);
+        let mut out = String::new();
+        for _ in 0..20_000 {
+            d.push(&tok, id, &mut out).unwrap();
+            let (held, broken) = d.held_bytes();
+            assert!(held < 4 || broken, "held bytes are re-decoded every push");
+        }
+        assert!(out.is_empty());
+    }
+}

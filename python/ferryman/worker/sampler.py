@@ -141,9 +141,9 @@ ROW_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "seed")
 @dataclass(slots=True)
 class SampleArgs:
     """What sampling one step needs from the table, taken when the step is planned (with async
-    scheduling the forward runs in a worker while the table changes for later steps): the
-    parameters of the rows this step takes, whether any live request samples at random, and
-    the logprobs each sample wants."""
+    scheduling the previous step is applied, releasing requests, while this one runs): the
+    parameters of the rows this step takes, which samples are random and the filters they use
+    (known on the host, so sampling never asks the device), and the logprobs each sample wants."""
 
     rows_added: np.ndarray  # int64 [A]
     added: dict[str, np.ndarray]  # column -> [A] values
@@ -163,7 +163,7 @@ class SamplingTable:
     step builds parameter tensors from Python lists; counts let an all-greedy step skip them.
 
     ``args(out)`` runs when a step is planned; ``write_rows`` and ``sample`` when it runs, in
-    step order (the forward's thread, with async scheduling)."""
+    step order."""
 
     def __init__(self, max_num_seqs: int, device: torch.device, capacity: int = 64) -> None:
         self.temperature = np.zeros(capacity, np.float32)

@@ -10,13 +10,22 @@ waiting and N's sampled ids come back through pinned memory and an event, so the
 while the host applies; on CPU, torch computes N+1 on this thread while a helper thread applies N
 (torch releases the GIL in its kernels). Decode inputs of N+1 that are N's samples are filled on
 the device. A sequence that stops in step N has its extra token of N+1 dropped by the core; core
-ids (which index the sampling table) are reused only once no planned step can name them."""
+ids (which index the sampling table) are reused only once no planned step can name them.
+
+Faults (docs/faults.md): a sample row whose logits are not finite fails its request alone (an
+output with ``error`` set and ``finish_reason="error"``, its blocks freed); a step whose forward or
+sampling raises fails the requests it scheduled or preempted and the engine goes on, until
+``MAX_STEP_FAILURES`` steps fail within ``FAILURE_WINDOW_S`` seconds: then, or when the core or the
+output path raises (state that cannot be trusted), the engine is dead and ``step()`` raises
+``EngineDeadError``."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,9 +40,17 @@ from ferryman.output_processor import OutputProcessor, RequestState
 from ferryman.outputs import PreemptionEvent, RequestMetrics, RequestOutput, StepResult, StepStats
 from ferryman.sampling_params import SamplingParams
 from ferryman.worker.sampler import SamplingTable
-from ferryman.worker.step_worker import Sampled, StepWorker
+from ferryman.worker.step_worker import Sampled, StepWorker, parse_fault_steps
 
 Prompt = str | Sequence[int]
+
+MAX_STEP_FAILURES = 3  # failed steps within FAILURE_WINDOW_S that mark the engine dead
+FAILURE_WINDOW_S = 60.0
+NON_FINITE = "the model's logits for this request are not finite (NaN or inf); the request failed"
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped after an error it cannot recover from; it can no longer generate."""
 
 
 @dataclass(slots=True)
@@ -72,7 +89,12 @@ class Engine:
         self._num_added = 0
         self.peak_blocks_used = 0
         self._inflight: _InFlight | None = None
-        self._worker = StepWorker(self.runner, self._sampling, overlap=self.scheduler.config.async_scheduling)
+        faults = parse_fault_steps(os.environ.get("FERRYMAN_TEST_FAULT_STEPS"))  # test-only
+        self._worker = StepWorker(
+            self.runner, self._sampling, overlap=self.scheduler.config.async_scheduling, faults=faults
+        )
+        self.dead: BaseException | None = None  # why the engine stopped, once it has
+        self._failures: deque[float] = deque()  # times of recent failed steps
         # on CPU the forward computes on this thread, so applying the previous step (update(),
         # text, outputs: Rust and Python, no torch) goes to a helper thread beside it
         overlap_cpu = self._worker.overlap and self.device.type != "cuda"
@@ -166,10 +188,25 @@ class Engine:
     def step(self) -> StepResult:
         """Runs one step: the outputs it produced (per request's ``output_kind``; finished ones
         marked), its statistics and its preemptions. With async scheduling, plans and runs the
-        next step and meanwhile applies the one before it, whose outputs it returns."""
+        next step and meanwhile applies the one before it, whose outputs it returns. A step whose
+        forward raises fails its requests (outputs with ``error``); raises ``EngineDeadError``
+        once the engine cannot go on."""
+        if self.dead is not None:
+            raise EngineDeadError(f"engine stopped: {self.dead!r}") from self.dead
+        try:
+            return self._step()
+        except Exception as e:
+            self.dead = e
+            raise
+
+    def _step(self) -> StepResult:
         if not self._worker.overlap:
             plan = self._plan()
-            return self._apply(plan, self._worker.run(plan, self._sampling.args(plan)))
+            try:
+                sampled = self._worker.run(plan, self._sampling.args(plan))
+            except Exception as e:
+                return StepResult(self._step_failed(plan, e), StepStats.of(plan, 0))
+            return self._apply(plan, sampled)
         while True:
             prev = self._inflight
             nxt = (
@@ -178,22 +215,73 @@ class Engine:
             self._inflight = nxt  # core ids released while applying `prev` wait for `nxt`
             if nxt is not None:
                 args = self._sampling.args(nxt.plan)
+            error: Exception | None = None
             if prev is None:  # nothing to apply yet: fill the pipeline
                 assert nxt is not None
-                nxt.sampled = self._worker.run(nxt.plan, args)
+                try:
+                    nxt.sampled = self._worker.run(nxt.plan, args)
+                except Exception as e:
+                    return StepResult(self._inflight_failed(e), StepStats.of(nxt.plan, 0))
                 continue
             if nxt is not None and self._applier is not None:  # CPU: apply beside the forward
                 applied = self._applier.submit(self._apply, prev.plan, prev.sampled)
                 try:
                     nxt.sampled = self._worker.run(nxt.plan, args)
+                except Exception as e:
+                    error = e
                 finally:
                     result = applied.result()
             else:  # CUDA: the device runs `nxt` (launched, not waited for) while `prev` is applied
                 if nxt is not None:
-                    nxt.sampled = self._worker.run(nxt.plan, args)
+                    try:
+                        nxt.sampled = self._worker.run(nxt.plan, args)
+                    except Exception as e:
+                        error = e
                 result = self._apply(prev.plan, prev.sampled)
             self._free_ids.extend(prev.release)
+            if error is not None:  # `prev` is applied: `nxt` is the core's only pending step
+                result.outputs.extend(self._inflight_failed(error))
             return result
+
+    def _inflight_failed(self, error: Exception) -> list[RequestOutput]:
+        """The planned step raised while it ran: fails it; no step is left in flight."""
+        failed = self._inflight
+        assert failed is not None
+        self._inflight = None
+        self._free_ids.extend(failed.release)
+        return self._step_failed(failed.plan, error)
+
+    def _step_failed(self, plan: Any, error: Exception) -> list[RequestOutput]:
+        """A step (the core's only pending one) raised in its forward or sampling: fails the
+        requests it scheduled or preempted (a swap-out it planned may not have run), then
+        applies it with every sample dropped. Raises ``EngineDeadError`` when too many steps
+        failed lately."""
+        now = time.monotonic()
+        self._failures.append(now)
+        while self._failures[0] < now - FAILURE_WINDOW_S:
+            self._failures.popleft()
+        ids = [*plan.req_ids.tolist(), *plan.preempted_req_ids.tolist()]
+        outputs = self._fail(ids, f"the step running this request failed: {error!r}")
+        self.scheduler.update(np.zeros(len(plan.sample_req_ids), np.int32))  # all dropped: aborted
+        if len(self._failures) >= MAX_STEP_FAILURES:
+            raise EngineDeadError(
+                f"{len(self._failures)} steps failed within {FAILURE_WINDOW_S:.0f} s; the last: {error!r}"
+            ) from error
+        return outputs
+
+    def _fail(self, core_ids: Sequence[int], message: str) -> list[RequestOutput]:
+        """Fails these live requests (every sequence of each): their final outputs, with
+        ``error``; their blocks are freed."""
+        outputs = []
+        now = time.monotonic()
+        for core_id in dict.fromkeys(core_ids):
+            st = self._outputs.reqs.get(core_id)
+            if st is None:  # finished or aborted already
+                continue
+            outputs.append(self._outputs.failed(st, message, now))
+            self._release(core_id)
+            self.scheduler.abort_request(core_id)
+        return outputs
 
     def _plan(self) -> Any:
         """``schedule()`` and the bookkeeping of the planned step."""
@@ -213,7 +301,13 @@ class Engine:
     def _apply(self, out: Any, sampled: Sampled | None) -> StepResult:
         """``update()`` with the step's samples, then its outputs, statistics and preemptions."""
         assert sampled is not None, "the step ran"
-        res = self.scheduler.update(sampled.host_ids())
+        ids = sampled.host_ids()
+        failed: list[RequestOutput] = []
+        bad = ids < 0  # rows whose logits were not finite
+        if bad.any():
+            failed = self._fail(out.sample_req_ids[bad].tolist(), NON_FINITE)
+            ids = np.where(bad, 0, ids)  # their requests are aborted: update() drops these samples
+        res = self.scheduler.update(ids)
         outputs = self._outputs.process(res, sampled.logprobs, time.monotonic())
         for ro in outputs:
             if ro.finished:
@@ -224,7 +318,7 @@ class Engine:
             for e in self.scheduler.drain_events()
         ]
         num_generated = int(np.count_nonzero(res.num_output_tokens))  # dropped samples count none
-        return StepResult(outputs, StepStats.of(out, num_generated), events)
+        return StepResult(outputs + failed, StepStats.of(out, num_generated), events)
 
     # -- offline batch -------------------------------------------------------------------------
 

@@ -86,6 +86,8 @@ class OutputProcessor:
                         _add_logprob(o, lp, tok)
                     touched[rid] = st
                 elif kind == "delta":
+                    if reasons[i] is not None:  # known finished, should the request fail later
+                        st.outputs[k].finish_reason = reasons[i]
                     o = CompletionOutput(k, texts[i], [tok], reasons[i])
                     if lp is not None:
                         _add_logprob(o, lp, tok)
@@ -121,6 +123,22 @@ class OutputProcessor:
                 RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, outs, done, st.metrics)
             )
         return results
+
+    def failed(self, st: RequestState, message: str, now: float) -> RequestOutput:
+        """The final output of a request that failed: its sequences not yet finished end with
+        finish_reason "error" (a "delta" request gets an empty last delta for each)."""
+        st.metrics.finished_time = now
+        if st.params.output_kind == "delta":
+            outs = [
+                CompletionOutput(k, finish_reason="error")
+                for k, o in enumerate(st.outputs)
+                if o.finish_reason is None
+            ]
+        else:
+            outs = st.outputs
+            for o in outs:
+                o.finish_reason = o.finish_reason or "error"
+        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, outs, True, st.metrics, message)
 
 
 def _add_logprob(o: CompletionOutput, lp: Logprobs, tok: int) -> None:

@@ -41,6 +41,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     metrics: RequestMetrics | None = None
+    # set when the request failed (its logits were not finite, or its step raised): it is
+    # finished, and its unfinished sequences have finish_reason "error"
+    error: str | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -254,3 +254,36 @@ def test_kv_pool_is_sized_from_gpu_memory_utilization(tmp_path: Path) -> None:
     assert blocks > 1000 and blocks * per_block <= util * total
     out = eng.generate([[*range(20, 40)]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 8
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_flashinfer_masked_kv_positions_contribute_nothing_whatever_they_hold(
+    tmp_path: Path, enforce_eager: bool
+) -> None:
+    """Every KV block (device and host) filled with NaN before the run: positions past a row's
+    length in its last page, and pages of padded CUDA-graph rows, must not leak into any output."""
+    from tiny_models import build
+
+    from ferryman.engine import Engine
+    from ferryman.sampling_params import SamplingParams
+
+    path = str(build("llama", tmp_path, hidden_size=256, intermediate_size=512))
+    prompts = [[*range(20, 27 + 3 * i)] for i in range(5)]  # lengths not multiples of the page
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    kw = {
+        "device": "cuda",
+        "dtype": GREEDY_DTYPE,
+        "attention_backend": "flashinfer",
+        "calibrate": False,
+        "block_size": 16,
+        "num_device_blocks": 16,
+        "num_host_blocks": 16,
+        "enforce_eager": enforce_eager,
+    }
+    want = [o.outputs[0].token_ids for o in Engine(path, **kw).generate(prompts, params)]
+    eng = Engine(path, **kw)
+    eng.kv.device_kv.fill_(float("nan"))
+    eng.kv.host_kv.fill_(float("nan"))
+    outs = eng.generate(prompts, params)
+    assert [o.error for o in outs] == [None] * len(prompts)
+    assert [o.outputs[0].token_ids for o in outs] == want

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -29,7 +30,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class Server:
-    def __init__(self, model: Path, *args: str, log: Path) -> None:
+    def __init__(self, model: Path, *args: str, log: Path, env: dict[str, str] | None = None) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -40,6 +41,7 @@ class Server:
             [*cmd, "--no-calibrate", "--log-level", "warning", *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
         )
         self.log = log
         deadline = time.monotonic() + 90

@@ -12,9 +12,11 @@ Decode rows (one query each) run batched in groups of up to ``DECODE_GROUP`` row
 length (sorted by block count, so little is padded): each group's block tables are padded with
 the null block to its longest (all groups' tables and key masks are built in one vectorized pass,
 each group a slice), K and V are gathered separately (one contiguous copy each, no
-reshape copies), and a key mask hides the padding. Prefill rows run one by one. Gathers use
-``index_select`` on dim 0, about 3x faster on CPU than advanced indexing over the block-strided
-layer view.
+reshape copies), and a key mask hides the padding. The gathered K and V are zeroed where the mask
+hides them: a hidden position contributes exactly nothing whatever its block holds (a block's
+previous owner may have left NaN there, and a -inf score times NaN is NaN). Prefill rows run one
+by one, over exactly their ``seq_len`` keys. Gathers use ``index_select`` on dim 0, about 3x
+faster on CPU than advanced indexing over the block-strided layer view.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class _DecodeGroup:
     tokens: torch.Tensor  # [b] rows of q / out
     table: torch.Tensor  # [b, nb] block ids, null-padded
     mask: torch.Tensor  # [b, 1, 1, nb * block_size] keys to attend
+    hidden: torch.Tensor  # [b, nb * block_size, 1, 1] keys not to attend (zeroed once gathered)
 
 
 class TorchAttentionBackend:
@@ -78,8 +81,11 @@ class TorchAttentionBackend:
         for g in range(0, len(decode), DECODE_GROUP):
             w = int(nb[min(g + DECODE_GROUP, len(decode)) - 1])  # sorted: the group's last row is its longest
             sl = slice(g, g + DECODE_GROUP)
+            mask = keys[sl, : w * bs]
             self._groups.append(
-                _DecodeGroup(tokens[sl], table[sl, :w].contiguous(), keys[sl, None, None, : w * bs])
+                _DecodeGroup(
+                    tokens[sl], table[sl, :w].contiguous(), mask[:, None, None], ~mask[:, :, None, None]
+                )
             )
 
     def write_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -94,10 +100,10 @@ class TorchAttentionBackend:
         for grp in self._groups:
             b = grp.table.shape[0]
             flat = grp.table.view(-1)
-            keys = (
-                keys_all.index_select(0, flat).float().view(b, -1, nkv, d).transpose(1, 2)
-            )  # [b, Hkv, L, D]
-            vals = vals_all.index_select(0, flat).float().view(b, -1, nkv, d).transpose(1, 2)
+            keys = keys_all.index_select(0, flat).float().view(b, -1, nkv, d)  # [b, L, Hkv, D]
+            vals = vals_all.index_select(0, flat).float().view(b, -1, nkv, d)
+            keys = keys.masked_fill_(grp.hidden, 0).transpose(1, 2)  # [b, Hkv, L, D]
+            vals = vals.masked_fill_(grp.hidden, 0).transpose(1, 2)
             qd = q.index_select(0, grp.tokens).float()[:, :, None, :]  # [b, Hq, 1, D]
             o = F.scaled_dot_product_attention(
                 qd, keys, vals, attn_mask=grp.mask, scale=self.scale, enable_gqa=nq != nkv

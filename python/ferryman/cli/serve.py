@@ -18,6 +18,13 @@ def register(sub: Any) -> None:
     s.add_argument("--max-waiting", type=int, default=None, help="answer 503 once this many requests wait")
     s.add_argument("--trace", default=None, help="write one JSON line per step and preemption to this file")
     s.add_argument("--log-level", default="info", help="uvicorn's log level (default: info)")
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds the running requests may take to finish before they are aborted "
+        "(default: 30)",
+    )
     p.set_defaults(run=run)
 
 
@@ -32,4 +39,5 @@ def run(a: argparse.Namespace) -> int:
         max_waiting=a.max_waiting,
         trace=a.trace,
         log_level=a.log_level,
+        shutdown_timeout=a.shutdown_timeout,
     )

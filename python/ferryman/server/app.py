@@ -3,8 +3,11 @@
 Every error a client can cause is answered with OpenAI's error body ``{"error": {"message",
 "type", "param", "code"}}``: 400 for invalid JSON, fields or requests the engine rejects (prompt
 longer than ``max_model_len``, a request that can never fit), 404 for an unknown model, 503 when
-the bounded waiting queue is full or the engine has stopped. Other requests keep being served.
-A client that disconnects has its request aborted and its KV blocks freed within a step.
+the bounded waiting queue is full, the server is shutting down or the engine has stopped. Other
+requests keep being served. A request the engine fails (its logits were not finite, its step
+raised) is answered 500 with that body, or, once streaming, ends with an error event and
+``[DONE]``. A client that disconnects has its request aborted and its KV blocks freed within a
+step.
 """
 
 from __future__ import annotations
@@ -24,7 +27,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ferryman.sampling_params import SamplingParams
 from ferryman.server import protocol as api
 from ferryman.server import responses
-from ferryman.server.async_engine import AsyncEngine, Delta, EngineDeadError, Update
+from ferryman.server.async_engine import (
+    AsyncEngine,
+    Delta,
+    DrainingError,
+    EngineDeadError,
+    RequestFailedError,
+    Update,
+)
 
 T = TypeVar("T")
 
@@ -64,7 +74,7 @@ async def _sse_events(
 ) -> AsyncIterator[str]:
     """A streamed response's events: one chunk per update that has deltas (``choice`` maps the
     prompt index and a delta to a choice), the usage chunk when asked, then ``[DONE]``; an engine
-    that dies mid-stream ends it with an error event."""
+    that dies or fails the request mid-stream ends it with an error event, then ``[DONE]``."""
     prompt_tokens: dict[int, int] = {}
     completion_tokens = 0
     try:
@@ -77,6 +87,8 @@ async def _sse_events(
             yield responses.sse(chunk([], responses.usage(sum(prompt_tokens.values()), completion_tokens)))
     except EngineDeadError as e:
         yield responses.sse(ApiError(503, str(e), "server_error").body)
+    except RequestFailedError as e:
+        yield responses.sse(ApiError(500, str(e), "server_error").body)
     yield "data: [DONE]\n\n"
 
 
@@ -123,6 +135,8 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
             )
         if engine.error is not None:
             raise ApiError(503, f"engine stopped: {engine.error!r}", "server_error")
+        if engine.draining:
+            raise ApiError(503, "the server is shutting down", "server_error", code="shutting_down")
         if engine.overloaded():
             raise ApiError(
                 503, "server overloaded: the waiting queue is full, retry later", "server_overloaded"
@@ -140,6 +154,9 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
         except EngineDeadError as e:
             await _close(streams)
             raise ApiError(503, str(e), "server_error") from None
+        except DrainingError as e:
+            await _close(streams)
+            raise ApiError(503, str(e), "server_error", code="shutting_down") from None
         except ValueError as e:  # InvalidRequestError and bad sampling values
             await _close(streams)
             raise ApiError(400, str(e), "invalid_request_error") from None
@@ -149,6 +166,8 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
     async def health() -> Response:
         if engine.error is not None:
             return JSONResponse({"status": "error", "error": repr(engine.error)}, status_code=503)
+        if engine.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
@@ -281,5 +300,7 @@ async def _run_collect(request: Request, work: Awaitable[T], streams: list[Async
         return await _until_disconnect(request, work)
     except EngineDeadError as e:
         raise ApiError(503, str(e), "server_error") from None
+    except RequestFailedError as e:
+        raise ApiError(500, str(e), "server_error") from None
     finally:
         await _close(streams)

@@ -8,6 +8,13 @@ through ``loop.call_soon_threadsafe``. A forward pass therefore never blocks the
 
 Every request runs with ``output_kind="delta"``: the core releases text only once no stop string
 can cut it, so each step's deltas go to the stream as they are.
+
+Faults: a request the engine fails (non-finite logits, a step that raised) ends its iterator with
+``RequestFailedError``; the others go on. When the engine dies (``EngineDeadError``, or any error
+out of the engine thread), every open stream ends with ``EngineDeadError`` and ``on_dead`` is
+called (the server then exits non-zero, so a supervisor restarts it). ``drain()`` (SIGTERM) stops
+accepting, lets the running requests finish until a deadline, then aborts the rest: each of their
+unfinished sequences ends with finish_reason "abort".
 """
 
 from __future__ import annotations
@@ -17,12 +24,12 @@ import dataclasses
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ferryman.engine import Engine, Prompt
-from ferryman.outputs import RequestOutput
+from ferryman.engine import Engine, EngineDeadError, Prompt
+from ferryman.outputs import RequestMetrics, RequestOutput
 from ferryman.sampling_params import SamplingParams
 from ferryman.server.metrics import Metrics
 from ferryman.trace import TraceWriter, step_record
@@ -44,10 +51,19 @@ class Update:
     deltas: list[Delta]
     finished: bool
     num_prompt_tokens: int
+    error: str | None = None  # the request failed (its iterator raises RequestFailedError)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped after an internal error; the server can no longer generate."""
+class RequestFailedError(RuntimeError):
+    """The engine failed this request (its logits were not finite, or its step raised); other
+    requests go on."""
+
+
+class DrainingError(RuntimeError):
+    """The server is shutting down and accepts no new request."""
+
+
+__all__ = ["AsyncEngine", "Delta", "DrainingError", "EngineDeadError", "RequestFailedError", "Update"]
 
 
 @dataclass(slots=True)
@@ -69,8 +85,13 @@ class AsyncEngine:
         metrics: Metrics | None = None,
         trace: TraceWriter | None = None,
         max_waiting: int | None = None,
+        on_dead: Callable[[BaseException], None] | None = None,
     ) -> None:
+        """``on_dead``: called on the engine thread once the engine has died."""
         self.engine = engine
+        self.on_dead = on_dead
+        self.draining = False
+        self._drain: tuple[float, Callable[[], None]] | None = None  # deadline, then what
         self.metrics = metrics
         self.trace = trace
         self.max_waiting = max_waiting
@@ -113,6 +134,8 @@ class AsyncEngine:
         then returns its updates. Closing the iterator early aborts the request."""
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
+        if self.draining:
+            raise DrainingError("the server is shutting down")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[Any] = asyncio.Queue()
         with self._lock:
@@ -135,6 +158,14 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._put(("abort", request_id))
 
+    def drain(self, timeout: float, then: Callable[[], None]) -> None:
+        """Stops accepting requests; once the running ones have finished, or ``timeout`` seconds
+        have passed (the rest then end with finish_reason "abort"), calls ``then`` on the engine
+        thread. Callable from a signal handler."""
+        self.draining = True
+        self._drain = (time.monotonic() + timeout, then)
+        self._wake.set()
+
     async def _updates(self, request_id: str, q: asyncio.Queue[Any]) -> AsyncIterator[Update]:
         finished = False
         try:
@@ -143,6 +174,8 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailedError(item.error)
                 yield item
         finally:
             if not finished:
@@ -158,6 +191,10 @@ class AsyncEngine:
         busy = False
         while not self._stop:
             self._drain_commands()
+            if self._drain is not None and (not self._streams or time.monotonic() >= self._drain[0]):
+                self._abort_all()
+                then, self._drain = self._drain[1], None
+                then()
             if not self.engine.has_unfinished_requests():
                 if busy and self.metrics is not None:
                     self.metrics.set_state(self.engine.scheduler.stats())
@@ -170,12 +207,22 @@ class AsyncEngine:
             busy = True
             try:
                 self._step()
-            except Exception as e:  # a bug: fail every stream rather than hang them
+            except Exception as e:  # the engine died: fail every stream rather than hang them
                 self.error = e
                 for s in self._streams.values():
                     s.loop.call_soon_threadsafe(s.queue.put_nowait, EngineDeadError(f"engine stopped: {e!r}"))
                 self._streams.clear()
+                if self.on_dead is not None:
+                    self.on_dead(e)
                 return
+
+    def _abort_all(self) -> None:
+        """Aborts every open request; each unfinished sequence ends with finish_reason "abort"."""
+        for rid, s in list(self._streams.items()):
+            num_prompt_tokens = self.engine.num_prompt_tokens(rid)
+            self.engine.abort_request(rid)
+            deltas = [Delta(k, "", [], None, "abort") for k, r in enumerate(s.reasons) if r is None]
+            self._send(rid, s, Update(deltas, True, num_prompt_tokens), None)
 
     def _drain_commands(self) -> None:
         while True:
@@ -232,12 +279,17 @@ class AsyncEngine:
         if s is None:
             return 0
         deltas = [Delta(o.index, o.text, o.token_ids, o.logprobs, o.finish_reason) for o in ro.outputs]
-        for d in deltas:
+        self._send(
+            ro.request_id, s, Update(deltas, ro.finished, len(ro.prompt_token_ids), ro.error), ro.metrics
+        )
+        return sum(len(d.token_ids) for d in deltas)
+
+    def _send(self, request_id: str, s: _Stream, u: Update, m: RequestMetrics | None) -> None:
+        for d in u.deltas:
             s.num_tokens[d.index] += len(d.token_ids)
             s.reasons[d.index] = d.finish_reason
-        if ro.finished:
-            del self._streams[ro.request_id]
+        if u.finished:
+            del self._streams[request_id]
             if self.metrics is not None:
-                self.metrics.on_finished(ro.metrics, s.reasons, max(s.num_tokens))
-        s.loop.call_soon_threadsafe(s.queue.put_nowait, Update(deltas, ro.finished, len(ro.prompt_token_ids)))
-        return sum(len(d.token_ids) for d in deltas)
+                self.metrics.on_finished(m, s.reasons, max(s.num_tokens))
+        s.loop.call_soon_threadsafe(s.queue.put_nowait, u)

@@ -1,8 +1,19 @@
-"""Running the server: builds the Engine from ``EngineArgs`` and serves the app under uvicorn."""
+"""Running the server: builds the Engine from ``EngineArgs`` and serves the app under uvicorn.
+
+Shutdown (docs/faults.md): the first SIGTERM or SIGINT drains: new requests get 503 (and
+``/health`` too), the running ones may finish for up to ``shutdown_timeout`` seconds, then the
+rest are aborted (each open stream ends with finish_reason "abort" and ``[DONE]``) and the process
+exits 0. A second signal stops at once. If the engine dies (``EngineDeadError``), the server stops
+and the process exits 1, so a supervisor restarts it.
+"""
 
 from __future__ import annotations
 
+import signal
 import sys
+from types import FrameType
+
+import uvicorn
 
 from ferryman.engine import Engine
 from ferryman.engine_args import EngineArgs
@@ -10,6 +21,8 @@ from ferryman.server.app import build_app
 from ferryman.server.async_engine import AsyncEngine
 from ferryman.server.metrics import Metrics
 from ferryman.trace import TraceWriter
+
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
 
 def serve(
@@ -21,26 +34,62 @@ def serve(
     max_waiting: int | None = None,
     trace: str | None = None,
     log_level: str = "info",
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
 ) -> int:
-    """Serves until interrupted; ``served_model_name`` defaults to ``args.model``,
-    ``max_waiting`` (>= 1) bounds the waiting queue (503 beyond it), ``trace`` is a JSON-lines
-    step trace file."""
-    import uvicorn
-
+    """Serves until a signal (exit status 0 once drained) or the engine's death (1);
+    ``served_model_name`` defaults to ``args.model``, ``max_waiting`` (>= 1) bounds the waiting
+    queue (503 beyond it), ``trace`` is a JSON-lines step trace file, ``shutdown_timeout`` (>= 0)
+    bounds the drain."""
     if max_waiting is not None and max_waiting < 1:
         print("--max-waiting must be >= 1", file=sys.stderr)
+        return 2
+    if shutdown_timeout < 0:
+        print("--shutdown-timeout must be >= 0", file=sys.stderr)
         return 2
     engine = Engine.from_engine_args(args)
     name = served_model_name or args.model
     cfg = engine.scheduler.config
     metrics = Metrics(cfg, name)
     writer = TraceWriter(trace) if trace else None
-    app = build_app(AsyncEngine(engine, metrics=metrics, trace=writer, max_waiting=max_waiting), name)
+    died: list[BaseException] = []
+    server: _DrainingServer | None = None
+
+    def on_dead(e: BaseException) -> None:
+        died.append(e)
+        print(f"ferryman: the engine died, stopping: {e!r}", file=sys.stderr, flush=True)
+        if server is not None:
+            server.should_exit = True
+
+    async_engine = AsyncEngine(
+        engine, metrics=metrics, trace=writer, max_waiting=max_waiting, on_dead=on_dead
+    )
+    app = build_app(async_engine, name)
     print(
         f"ferryman: serving {name!r} on http://{host}:{port} ({cfg.num_device_blocks} device KV blocks, "
         f"{cfg.num_host_blocks} host, mode {cfg.preemption_mode})",
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-    return 0
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    server = _DrainingServer(config, async_engine, shutdown_timeout)
+    server.run()
+    return 1 if died else 0
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server whose first SIGTERM / SIGINT drains the engine before stopping (uvicorn's
+    own handler stops at once, then re-raises the signal: the process ended with status -15)."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.engine, self.shutdown_timeout = engine, shutdown_timeout
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.engine.draining or sig not in (signal.SIGTERM, signal.SIGINT):
+            self.should_exit = self.force_exit = True  # a second signal: stop now
+            return
+        print(f"ferryman: draining (up to {self.shutdown_timeout:g} s)", file=sys.stderr, flush=True)
+        self.engine.drain(self.shutdown_timeout, then=self._stop)
+
+    def _stop(self) -> None:
+        self.should_exit = True

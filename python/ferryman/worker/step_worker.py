@@ -5,6 +5,14 @@ flight names one of them (``SchedulerOutput.inflight_*``), and the runner fills 
 ``overlap`` on CUDA the sampled ids come back through a pinned buffer and an event instead of a
 blocking copy, so the caller can apply the previous step while the device runs this one.
 
+A sample row whose logits are not all finite (the model's raw logits, before any filter) comes
+back as -1: the engine fails that request alone. The ids kept on the device for the next step's
+inputs hold 0 there instead (always a valid embedding row; the request is aborted before any step
+applies them).
+
+``faults`` (test-only, ``FERRYMAN_TEST_FAULT_STEPS``): core step numbers at which ``run`` raises
+``InjectedFault`` before the forward, so tests can make a step fail.
+
 Torch compute stays on one thread (the caller's): a second thread running CPU kernels would start
 a second OpenMP team, and on a machine with few cores both teams then give up spinning and wake
 through the kernel on every parallel region (measured: the forward ~1.4x slower).
@@ -39,17 +47,41 @@ class Sampled:
         return self.ids.numpy() if isinstance(self.ids, torch.Tensor) else self.ids
 
 
+class InjectedFault(RuntimeError):
+    """A step made to fail on purpose (``FERRYMAN_TEST_FAULT_STEPS``)."""
+
+
+def parse_fault_steps(spec: str | None) -> frozenset[int]:
+    """``"3,7-9"`` -> {3, 7, 8, 9}; None or "" -> none."""
+    steps: set[int] = set()
+    for part in (spec or "").split(","):
+        if part.strip():
+            lo, _, hi = part.partition("-")
+            steps.update(range(int(lo), int(hi or lo) + 1))
+    return frozenset(steps)
+
+
 class StepWorker:
-    def __init__(self, runner: ModelRunner, sampling: SamplingTable, overlap: bool) -> None:
-        self.runner, self.sampling, self.overlap = runner, sampling, overlap
+    def __init__(
+        self,
+        runner: ModelRunner,
+        sampling: SamplingTable,
+        overlap: bool,
+        faults: frozenset[int] = frozenset(),
+    ) -> None:
+        self.runner, self.sampling, self.overlap, self.faults = runner, sampling, overlap, faults
         self._prev: torch.Tensor | None = None  # the last step's sampled ids, on the device
 
     def run(self, plan: SchedulerOutput, args: SampleArgs) -> Sampled:
         """The step's forward and sampling (on CUDA with ``overlap``: launched, not waited for)."""
+        if plan.step in self.faults:
+            raise InjectedFault(f"injected fault at step {plan.step}")
         self.sampling.write_rows(args)
         logits = self.runner.execute(plan, self._prev)
         if not len(plan.sample_req_ids):
             return Sampled(np.zeros(0, np.int32), None)
+        # one reduction per row: NaN or +-inf anywhere in a row makes its sum non-finite
+        finite = torch.isfinite(logits.sum(dim=-1))
         b = np.searchsorted(plan.qo_indptr, plan.logits_indices, side="right") - 1
         tokens, lps = self.sampling.sample(
             logits,
@@ -58,7 +90,8 @@ class StepWorker:
             plan.seq_lens[b],
             args,
         )
-        self._prev = tokens
+        self._prev = torch.where(finite, tokens, 0)
+        tokens = torch.where(finite, tokens, -1)
         if tokens.device.type != "cuda" or not self.overlap:
             return Sampled(tokens.cpu().numpy(), lps)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)

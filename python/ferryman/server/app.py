@@ -23,6 +23,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
 
 from ferryman.sampling_params import SamplingParams
 from ferryman.server import protocol as api
@@ -37,6 +39,18 @@ from ferryman.server.async_engine import (
 )
 
 T = TypeVar("T")
+
+# The answers the schema publishes besides 200: errors in OpenAI's body (and no FastAPI 422: a
+# body the request models refuse gets 400).
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": api.ErrorResponse, "description": "Refused: 400 invalid, 404 unknown model"},
+    "5XX": {"model": api.ErrorResponse, "description": "Failed, overloaded, draining or stopped"},
+}
+
+
+def _generation(body: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    ok = {"model": body, "content": {"text/event-stream": {}}, "description": "The body, or its SSE stream"}
+    return {200: ok, **_ERRORS}
 
 
 class ApiError(Exception):
@@ -109,6 +123,15 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
     async def _api_error(_: Request, e: ApiError) -> JSONResponse:
         return _error_response(e)
 
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, e: HTTPException) -> JSONResponse:
+        """What FastAPI answers itself (a body it cannot decode, an unknown path, a method the
+        path does not serve), in OpenAI's error body too."""
+        type_ = "invalid_request_error" if e.status_code < 500 else "server_error"
+        response = _error_response(ApiError(e.status_code, str(e.detail), type_))
+        response.headers.update(e.headers or {})
+        return response
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
         errs = list(e.errors())
@@ -162,7 +185,7 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
             raise ApiError(400, str(e), "invalid_request_error") from None
         return rid, streams
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "Draining, or the engine stopped"}})
     async def health() -> Response:
         if engine.error is not None:
             return JSONResponse({"status": "error", "error": repr(engine.error)}, status_code=503)
@@ -170,17 +193,20 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_ERRORS)
     async def models() -> api.ModelList:
         return api.ModelList(data=[api.ModelCard(id=served_model_name, max_model_len=max_model_len)])
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text"}, **_ERRORS},
+    )
     async def metrics() -> Response:
         if engine.metrics is None:
             raise ApiError(404, "metrics are off", "invalid_request_error")
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post("/v1/completions", response_model=None, responses=_generation(api.CompletionResponse))
     async def completions(body: api.CompletionRequest, request: Request) -> Response | api.CompletionResponse:
         check(body.model)
         params = _params(body.sampling_params)
@@ -224,7 +250,7 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
 
         return await _run_collect(request, collect(), streams)
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post("/v1/chat/completions", response_model=None, responses=_generation(api.ChatCompletionResponse))
     async def chat(
         body: api.ChatCompletionRequest, request: Request
     ) -> Response | api.ChatCompletionResponse:

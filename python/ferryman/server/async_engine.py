@@ -24,7 +24,7 @@ import dataclasses
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -75,6 +75,27 @@ class _Stream:
 
 
 _ACCEPTED = object()
+
+
+class _Updates:
+    """``add``'s iterator. Closing it aborts its request unless finished, even before the first
+    ``__anext__``: an async generator that never started skips its ``finally`` when closed (a
+    request submitted with others that were then refused would run to its end for no one)."""
+
+    def __init__(self, gen: AsyncGenerator[Update, None], abort: Callable[[], None]) -> None:
+        self._gen, self._abort, self._started = gen, abort, False
+
+    def __aiter__(self) -> _Updates:
+        return self
+
+    def __anext__(self) -> Awaitable[Update]:
+        self._started = True
+        return self._gen.__anext__()
+
+    async def aclose(self) -> None:
+        if not self._started:
+            self._abort()
+        await self._gen.aclose()
 
 
 class AsyncEngine:
@@ -153,7 +174,7 @@ class AsyncEngine:
         first = await q.get()
         if isinstance(first, BaseException):
             raise first
-        return self._updates(request_id, q)
+        return _Updates(self._updates(request_id, q), lambda: self.abort(request_id))
 
     def abort(self, request_id: str) -> None:
         self._put(("abort", request_id))
@@ -166,7 +187,7 @@ class AsyncEngine:
         self._drain = (time.monotonic() + timeout, then)
         self._wake.set()
 
-    async def _updates(self, request_id: str, q: asyncio.Queue[Any]) -> AsyncIterator[Update]:
+    async def _updates(self, request_id: str, q: asyncio.Queue[Any]) -> AsyncGenerator[Update, None]:
         finished = False
         try:
             while not finished:

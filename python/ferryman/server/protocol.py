@@ -1,20 +1,110 @@
 """Request and response bodies of the OpenAI-compatible API (the fields ferryman serves), as
 pydantic models. Extensions beyond OpenAI's fields follow vLLM's names: ``top_k``, ``min_p``,
 ``ignore_eos``, ``stop_token_ids``, ``priority``. Unknown fields are ignored, as OpenAI clients
-send some the server has no use for."""
+send some the server has no use for.
+
+The request models are the published schema (``/openapi.json``), and they accept exactly what it
+allows: types are strict as JSON's are (no ``"5"`` or ``true`` for an integer, no ``1`` for a
+boolean; ``2.0`` is an integer, as JSON Schema has it), no prompt or part of one is empty, and
+every integer has bounds the engine can represent (``priority`` and token ids are 32-bit in the
+core; ``max_tokens``, ``seed`` and ``top_k`` stay within JSON's exact integers, +-(2**53 - 1)), so
+a value the schema allows never fails deeper down. What depends on the model (token ids below its
+vocabulary size, prompt plus ``max_tokens`` within ``max_model_len``) or on the server's
+configuration (``n`` within ``max_num_seqs``) the engine checks, answering 400 as well."""
 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from annotated_types import Ge, Le, MinLen
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    WithJsonSchema,
+)
+from pydantic_core import PydanticCustomError
 
 from ferryman.sampling_params import SamplingParams
 
+I32_MAX = 2**31 - 1
+# JSON's interoperable integers (I-JSON): a double holds each exactly, so a bound means the same to
+# every client and validator (near 2**63, 9.223372036854776e18 both is and is not within int64).
+JSON_INT_MAX = 2**53 - 1
+
+
+def _json_integer(v: Any) -> Any:
+    """JSON Schema's integers include numbers written with a zero fraction (``2.0``)."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+# Last in an ``Annotated``, so it runs first and the bounds before it stay in the JSON schema.
+JSON_INT = BeforeValidator(_json_integer)
+
+
+def _json_false(v: Any) -> Any:
+    """``false`` and nothing else (a ``Literal[False]`` alone takes ``0``)."""
+    if v is not False:
+        raise PydanticCustomError("literal_error", "Input should be False")
+    return v
+
+
+def _token_id(v: int) -> int:
+    if not 0 <= v <= I32_MAX:
+        raise PydanticCustomError("token_id", "token id {v} out of range [0, 2**31)", {"v": v})
+    return v
+
+
+def _not_empty(v: Any) -> Any:
+    if v == "" or v == [] or (isinstance(v, list) and any(p == "" or p == [] for p in v)):
+        raise PydanticCustomError("empty_prompt", "prompt must not be empty")
+    return v
+
+
+def _prompt_shape(v: Any) -> str | None:
+    if isinstance(v, str):
+        return "text"
+    if not isinstance(v, list):
+        return None
+    if all(isinstance(p, str) for p in v):
+        return "texts"
+    return "token_id_lists" if all(isinstance(p, list) for p in v) else "token_ids"
+
+
+TokenId = Annotated[
+    int,
+    AfterValidator(_token_id),
+    WithJsonSchema({"type": "integer", "minimum": 0, "maximum": I32_MAX}),
+    JSON_INT,
+]
+TokenIds = Annotated[list[TokenId], MinLen(1)]
+Text = Annotated[str, MinLen(1)]
+# One shape or another by the JSON type (so an error names the shape meant); an empty prompt or
+# part is refused first, with one message.
+Prompt = Annotated[
+    Annotated[Text, Tag("text")]
+    | Annotated[list[Text], MinLen(1), Tag("texts")]
+    | Annotated[TokenIds, Tag("token_ids")]
+    | Annotated[list[TokenIds], MinLen(1), Tag("token_id_lists")],
+    Discriminator(
+        _prompt_shape,
+        custom_error_type="prompt_type",
+        custom_error_message="prompt must be a string, a list of strings, a list of token ids or a "
+        "list of token-id lists",
+    ),
+    BeforeValidator(_not_empty),
+]
+MaxTokens = Annotated[int, Ge(1), Le(JSON_INT_MAX), JSON_INT]
+TopLogprobs = Annotated[int, Ge(0), Le(20), JSON_INT]
+
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
@@ -23,16 +113,16 @@ class StreamOptions(_Body):
 
 class _Sampling(_Body):
     model: str | None = None
-    n: Annotated[int, Field(ge=1, le=128)] = 1
+    n: Annotated[int, Ge(1), Le(128), JSON_INT] = 1
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    top_k: Annotated[int, Field(ge=-1)] = -1
+    top_k: Annotated[int, Ge(-1), Le(JSON_INT_MAX), JSON_INT] = -1
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
-    seed: int | None = None
+    seed: Annotated[int, Ge(-JSON_INT_MAX), Le(JSON_INT_MAX), JSON_INT] | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    priority: int = 0
+    priority: Annotated[int, Ge(-I32_MAX - 1), Le(I32_MAX), JSON_INT] = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -56,10 +146,10 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    echo: Literal[False] = False
+    prompt: Prompt
+    max_tokens: MaxTokens | None = 16
+    logprobs: TopLogprobs | None = None
+    echo: Annotated[Literal[False], BeforeValidator(_json_false)] = False
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -90,10 +180,10 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: TopLogprobs | None = None
 
     def sampling_params(self) -> SamplingParams:
         n = (self.top_logprobs or 0) if self.logprobs else None

@@ -1,7 +1,7 @@
 //! `Scheduler` for Python: argument checking and conversion around `ferryman_core::Scheduler`.
 
 use ferryman_core::{FinishReason, Scheduler, Tokenizer};
-use numpy::{AllowTypeChange, PyArrayLike1};
+use numpy::{AllowTypeChange, PyArray1, PyArrayLike1, ToPyArray};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -164,6 +164,17 @@ impl PyScheduler {
     /// Verifies the whole state (docs/design.md §5); raises EngineError naming the first violation.
     fn check_invariants(&self) -> PyResult<()> {
         self.inner.check_invariants().map_err(to_pyerr)
+    }
+
+    /// The output token ids so far of a live sequence (int32), or None.
+    #[pyo3(signature = (req_id, seq_index=0))]
+    fn output_token_ids<'py>(
+        &self,
+        py: Python<'py>,
+        req_id: i64,
+        seq_index: u32,
+    ) -> PyResult<Option<Bound<'py, PyArray1<i32>>>> {
+        Ok(self.inner.output_token_ids(req_id_of(req_id)?, seq_index).map(|t| t.to_pyarray(py)))
     }
 
     /// The device block table of a live sequence, or None (debugging and tests).

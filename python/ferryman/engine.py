@@ -82,7 +82,8 @@ class Engine:
             self.scheduler.set_tokenizer(self.tokenizer.backend_tokenizer.to_str())
         self._rng = random.Random(args.seed)
         self._outputs = OutputProcessor()
-        self._sampling = SamplingTable(args.max_num_seqs, self.device)
+        self._sampling = SamplingTable(args.max_num_seqs, self.device, mc.vocab_size)
+        self._sampling.history = self._output_history
         self._core_ids: dict[str, int] = {}
         self._free_ids: list[int] = []  # core ids to reuse: they index the sampling table
         self._next_id = 0
@@ -123,6 +124,10 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer, and this model has none")
         text, ids = self._tokenize(prompt)
+        vocab = self.model.cfg.vocab_size
+        bad = next((t for t in params.logit_bias or () if t >= vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"logit_bias: token id {bad} out of range [0, {vocab})")
         record = RequestParams(
             params.max_tokens or max(1, self.max_model_len - len(ids)),
             priority=params.priority,
@@ -144,9 +149,17 @@ class Engine:
         self._next_id = max(self._next_id, core_id + 1)
         self._num_added += 1
         seed = params.seed if params.seed is not None else self._rng.randrange(1 << 40)
-        self._sampling.set(core_id, params, seed)
+        stop_ids = [*params.stop_token_ids, *([] if params.ignore_eos else self.eos_token_ids)]
+        self._sampling.set(core_id, params, seed, ids, stop_ids)
         self._outputs.add(core_id, RequestState(request_id, text, ids, params, RequestMetrics(arrival)))
         self._core_ids[request_id] = core_id
+
+    def _output_history(self, core_id: int, seq_index: int) -> tuple[np.ndarray, np.ndarray]:
+        """A live sequence's prompt and output ids so far (the sampler's penalties count them
+        when it takes a batch row)."""
+        out = self.scheduler.output_token_ids(core_id, seq_index)
+        prompt = np.asarray(self._outputs.reqs[core_id].prompt_token_ids, np.int64)
+        return prompt, np.zeros(0, np.int32) if out is None else out
 
     def num_prompt_tokens(self, request_id: str) -> int:
         """Prompt length of a live request, in tokens."""

@@ -13,6 +13,14 @@ class SamplingParams:
 
     ``temperature=0`` is greedy. ``top_k=-1`` (or 0) and ``top_p=1`` and ``min_p=0`` disable those
     filters. ``seed`` makes a request's samples reproducible regardless of the batch it runs in.
+
+    Before any filter (greedy included), in this order, as vLLM applies them: ``min_tokens``
+    (the EOS ids and ``stop_token_ids`` cannot be sampled before that many output tokens),
+    ``logit_bias`` (``{token_id: bias}`` added to the logits), then the penalties over each
+    sequence's own tokens: ``repetition_penalty`` (vLLM's: a logit of a token in the prompt or the
+    output so far is divided by it if positive, multiplied if not), ``frequency_penalty`` (minus
+    it times the token's count in the output) and ``presence_penalty`` (minus it once the token
+    is in the output). Logprobs stay those of the model's raw logits.
     """
 
     n: int = 1
@@ -27,6 +35,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     priority: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
     # "cumulative": each step's output holds the whole text so far (vLLM's LLMEngine default);
     # "delta": only what is new since the last output; "final_only": one output, when finished
     output_kind: str = "cumulative"
@@ -52,3 +65,23 @@ class SamplingParams:
             raise ValueError("stop strings must not be empty")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.logit_bias:
+            bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+            bad = next(((t, b) for t, b in bias.items() if t < 0 or not -100 <= b <= 100), None)
+            if bad is not None:
+                raise ValueError(f"logit_bias: token ids must be >= 0 and biases in [-100, 100], got {bad}")
+            self.logit_bias = bias
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty applies (they need each sequence's token counts on the device)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1

@@ -256,6 +256,13 @@ impl Scheduler {
         Some(self.kv.table(idx).iter().map(|&b| b as u32).collect())
     }
 
+    /// The output token ids so far of the live fork `seq_index` of `req_id` (what the runner's
+    /// penalties count when the sequence takes a batch row).
+    pub fn output_token_ids(&self, req_id: u64, seq_index: u32) -> Option<&[i32]> {
+        let r = self.reqs.get(self.reqs.find_fork(req_id, seq_index)?);
+        Some(&r.token_ids[r.num_prompt_tokens..])
+    }
+
     /// Status of the live fork `seq_index` of `req_id` (tests, debugging).
     pub fn request_status(&self, req_id: u64, seq_index: u32) -> Option<RequestStatus> {
         self.reqs.find_fork(req_id, seq_index).map(|i| self.reqs.get(i).status)

@@ -85,7 +85,8 @@ asgi.shutdown_lifespans()  # loading the schema started that app's engine thread
 
 # The engine's refusals that depend on the model (``Scheduler::add_request``, ``Engine._tokenize``).
 MODEL_LIMITS = re.compile(
-    rf"exceeds max_model_len={MAX_MODEL_LEN}$|^token id \d+ out of range \[0, {VOCAB}\)$"
+    rf"exceeds max_model_len={MAX_MODEL_LEN}$|^(logit_bias: )?token id \d+ out of range \[0, {VOCAB}\)$"
+    r"|^min_tokens \(\d+\) must be <= max_tokens"
 )
 
 
@@ -100,7 +101,8 @@ def _error(response: Response) -> dict[str, Any] | None:
 
 def positive_data_served(ctx: CheckContext, response: Response, case: Case) -> bool | None:
     """``positive_data_acceptance``, but for a refusal that only the model can make: a tolerance
-    the schema cannot remove (token counts of text, the vocabulary are not JSON Schema)."""
+    the schema cannot remove (token counts of text, the vocabulary are not JSON Schema), and
+    ``min_tokens`` above ``max_tokens`` (a rule between two fields)."""
     err = _error(response)
     if response.status_code == 400 and err is not None and MODEL_LIMITS.search(str(err.get("message"))):
         return None

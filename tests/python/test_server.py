@@ -239,6 +239,18 @@ BAD_REQUESTS: list[tuple[str, Any, int, str]] = [
         "type",
     ),
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 99}, 400, "top_logprobs"),
+    # OpenAI fields not implemented are refused by name, never silently ignored
+    (CMPL, {"prompt": "x", "suffix": "y"}, 400, "suffix is not supported"),
+    (CMPL, {"prompt": "x", "best_of": 3}, 400, "best_of is not supported"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "tools": [{}]}, 400, "tools is not supported"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, 400, "tool_choice"),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+    ),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "store": True}, 400, "store"),
 ]
 
 

@@ -42,6 +42,10 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * max prob (default: 0)")
     g.add_argument("--request-seed", type=int, default=None, help="per-request sampling seed")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2] (default: 0)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (default: 0)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; 1 is off (default: 1)")
+    g.add_argument("--min-tokens", type=int, default=0, help="no EOS / stop id before this many tokens")
 
 
 def _sampling(a: argparse.Namespace) -> SamplingParams:
@@ -53,6 +57,10 @@ def _sampling(a: argparse.Namespace) -> SamplingParams:
         seed=a.request_seed,
         max_tokens=a.max_tokens,
         stop=a.stop,
+        presence_penalty=a.presence_penalty,
+        frequency_penalty=a.frequency_penalty,
+        repetition_penalty=a.repetition_penalty,
+        min_tokens=a.min_tokens,
     )
 
 

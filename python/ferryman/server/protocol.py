@@ -14,6 +14,7 @@ configuration (``n`` within ``max_num_seqs``) the engine checks, answering 400 a
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Annotated, Any, Literal
 
@@ -26,11 +27,15 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
+    ValidationInfo,
     WithJsonSchema,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from ferryman.sampling_params import SamplingParams
+
+log = logging.getLogger("ferryman.server")
 
 I32_MAX = 2**31 - 1
 # JSON's interoperable integers (I-JSON): a double holds each exactly, so a bound means the same to
@@ -99,12 +104,42 @@ Prompt = Annotated[
     ),
     BeforeValidator(_not_empty),
 ]
+BiasTokenId = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]  # a token id, as JSON keys are strings
+# keys that are not token ids are refused, so the schema says so (pydantic's own leaves them open)
+LogitBias = Annotated[
+    dict[BiasTokenId, Annotated[float, Field(ge=-100, le=100)]],
+    WithJsonSchema(
+        {
+            "type": "object",
+            "patternProperties": {r"^[0-9]{1,9}$": {"type": "number", "minimum": -100, "maximum": 100}},
+            "additionalProperties": False,
+        }
+    ),
+]
 MaxTokens = Annotated[int, Ge(1), Le(JSON_INT_MAX), JSON_INT]
 TopLogprobs = Annotated[int, Ge(0), Le(20), JSON_INT]
 
 
+def _refuse(v: Any, info: ValidationInfo) -> Any:
+    if v is not None:
+        raise PydanticCustomError("unsupported", f"{info.field_name} is not supported by ferryman")
+    return v
+
+
+# An OpenAI field ferryman does not implement: the schema allows only null (or leaving it out),
+# and a value is refused with a message that names the field (never silently ignored).
+Unsupported = Annotated[None, BeforeValidator(_refuse)]
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="after")
+    def _warn_unknown(self) -> Any:
+        """Unknown fields are ignored with a logged warning (vLLM's behaviour)."""
+        if self.model_extra:
+            log.warning("%s: ignoring unknown fields %s", type(self).__name__, sorted(self.model_extra))
+        return self
 
 
 class StreamOptions(_Body):
@@ -126,6 +161,12 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0, le=JSON_INT_MAX)] = 1.0
+    # OpenAI's: token ids (as JSON object keys) to a bias added to their logits
+    logit_bias: LogitBias | None = None
+    min_tokens: Annotated[int, Ge(0), Le(JSON_INT_MAX), JSON_INT] = 0
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -142,6 +183,11 @@ class _Sampling(_Body):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             priority=self.priority,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
+            min_tokens=self.min_tokens,
         )
 
 
@@ -150,6 +196,8 @@ class CompletionRequest(_Sampling):
     max_tokens: MaxTokens | None = 16
     logprobs: TopLogprobs | None = None
     echo: Annotated[Literal[False], BeforeValidator(_json_false)] = False
+    suffix: Unsupported = None
+    best_of: Unsupported = None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -178,12 +226,31 @@ class ChatMessage(_Body):
         return self.content or ""
 
 
+class ResponseFormatText(_Body):
+    type: Literal["text"]
+
+
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
+    # OpenAI fields that would change the answer and are not implemented: refused by name
+    tools: Unsupported = None
+    tool_choice: Literal["none"] | None = None
+    parallel_tool_calls: Unsupported = None
+    functions: Unsupported = None
+    function_call: Unsupported = None
+    response_format: ResponseFormatText | None = None
+    audio: Unsupported = None
+    modalities: list[Literal["text"]] | None = None
+    prediction: Unsupported = None
+    web_search_options: Unsupported = None
+    reasoning_effort: Unsupported = None
+    store: Annotated[Literal[False], BeforeValidator(_json_false)] | None = None
+    metadata: dict[str, str] | None = None  # descriptive only (OpenAI keeps it with `store`)
+    service_tier: Literal["auto", "default"] | None = None  # one tier here
 
     def sampling_params(self) -> SamplingParams:
         n = (self.top_logprobs or 0) if self.logprobs else None

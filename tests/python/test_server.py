@@ -438,3 +438,33 @@ def test_load_64_streams_on_a_tiny_pool(model_dir: Path, offline: Engine, tmp_pa
 
         png = plot_trace(trace, tmp_path / "trace.png")
         assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tokenize_detokenize_and_tokenizer_info(server: Server, offline: Engine) -> None:
+    tok = offline.tokenizer
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "Hello there", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    want = list(tok.encode("Hello there"))
+    assert (
+        body["tokens"] == want
+        and body["count"] == len(want)
+        and body["max_model_len"] == offline.max_model_len
+    )
+    assert body["token_strs"] == tok.convert_ids_to_tokens(want)
+    msgs = [{"role": "user", "content": "Hi!"}]
+    r = httpx.post(server.url + "/tokenize", json={"messages": msgs})
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert r.json()["tokens"] == list(tok.encode(text, add_special_tokens=False))
+    r = httpx.post(server.url + "/detokenize", json={"tokens": want})
+    assert r.status_code == 200 and r.json() == {"prompt": "Hello there"}
+    info = httpx.get(server.url + "/tokenizer_info").json()
+    assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
+    for path, bad in [
+        ("/tokenize", {}),
+        ("/tokenize", {"prompt": 3}),
+        ("/detokenize", {"tokens": [10**6]}),
+        ("/detokenize", {"tokens": [-1]}),
+    ]:
+        r = httpx.post(server.url + path, json=bad)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text

@@ -147,7 +147,7 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
     def token_str(t: int) -> str:
         return str(tokenizer.decode([t])) if tokenizer is not None else str(t)
 
-    def check(model: str | None) -> None:
+    def check_model(model: str | None) -> None:
         if model is not None and model != served_model_name:
             raise ApiError(
                 404,
@@ -156,6 +156,9 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
                 "model",
                 "model_not_found",
             )
+
+    def check(model: str | None) -> None:
+        check_model(model)
         if engine.error is not None:
             raise ApiError(503, f"engine stopped: {engine.error!r}", "server_error")
         if engine.draining:
@@ -192,6 +195,53 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
         if engine.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    def need_tokenizer(model: str | None) -> Any:
+        check_model(model)
+        if tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer", "invalid_request_error")
+        return tokenizer
+
+    @app.post("/tokenize", responses=_ERRORS)
+    async def tokenize(body: api.TokenizeRequest) -> api.TokenizeResponse:
+        """vLLM's: the ids of a text prompt, or of chat messages through the model's template."""
+        tok = need_tokenizer(body.model)
+        if isinstance(body, api.TokenizeChatRequest):
+            if not getattr(tok, "chat_template", None):
+                raise ApiError(400, "this model has no chat template", "invalid_request_error", "messages")
+            msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+            text = str(
+                tok.apply_chat_template(
+                    msgs, add_generation_prompt=body.add_generation_prompt, tokenize=False
+                )
+            )
+            ids = list(tok.encode(text, add_special_tokens=False))
+        else:
+            ids = list(tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return api.TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs)
+
+    @app.post("/detokenize", responses=_ERRORS)
+    async def detokenize(body: api.DetokenizeRequest) -> api.DetokenizeResponse:
+        tok = need_tokenizer(body.model)
+        vocab = engine.engine.model.cfg.vocab_size
+        bad = next((t for t in body.tokens if t >= vocab), None)
+        if bad is not None:
+            raise ApiError(
+                400, f"token id {bad} out of range [0, {vocab})", "invalid_request_error", "tokens"
+            )
+        return api.DetokenizeResponse(prompt=str(tok.decode(body.tokens)))
+
+    @app.get("/tokenizer_info", responses=_ERRORS)
+    async def tokenizer_info() -> dict[str, Any]:
+        """vLLM's: what a client needs to tokenize as the server does (lm-eval probes it)."""
+        tok = need_tokenizer(None)
+        info: dict[str, Any] = {"tokenizer_class": type(tok).__name__, "model_max_length": max_model_len}
+        for k in ("bos_token", "eos_token", "pad_token", "unk_token", "chat_template"):
+            v = getattr(tok, k, None)
+            if v is not None:
+                info[k] = str(v)
+        return info
 
     @app.get("/v1/models", responses=_ERRORS)
     async def models() -> api.ModelList:

@@ -26,7 +26,7 @@ pub struct PyRequestParams {
 impl PyRequestParams {
     #[new]
     #[pyo3(signature = (max_tokens, *, priority=0, eos_token_ids=Vec::new(), stop_token_ids=Vec::new(),
-        ignore_eos=false, n=1, detokenize=false, stop=Vec::new()))]
+        ignore_eos=false, n=1, detokenize=false, stop=Vec::new(), skip_reading_prefix_cache=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         max_tokens: i64,
@@ -37,6 +37,7 @@ impl PyRequestParams {
         n: i64,
         detokenize: bool,
         stop: Vec<String>,
+        skip_reading_prefix_cache: bool,
     ) -> PyResult<Self> {
         let ids = |field: &str, v: Vec<i64>| v.into_iter().map(|t| token_id(field, t)).collect::<PyResult<Vec<_>>>();
         if !detokenize && !stop.is_empty() {
@@ -50,6 +51,7 @@ impl PyRequestParams {
             ignore_eos,
             n: u32::try_from(n).unwrap_or(0),
             text: detokenize.then_some(TextParams { stop }),
+            skip_reading_prefix_cache,
         };
         inner.validate().map_err(|msg| {
             InvalidRequestError::new_err(match msg.as_str() {
@@ -90,6 +92,10 @@ impl PyRequestParams {
         self.inner.text.is_some()
     }
     #[getter]
+    fn skip_reading_prefix_cache(&self) -> bool {
+        self.inner.skip_reading_prefix_cache
+    }
+    #[getter]
     fn stop(&self) -> Vec<String> {
         self.inner.text.as_ref().map(|t| t.stop.clone()).unwrap_or_default()
     }
@@ -98,7 +104,7 @@ impl PyRequestParams {
         let p = &self.inner;
         format!(
             "RequestParams(max_tokens={}, priority={}, eos_token_ids={:?}, stop_token_ids={:?}, ignore_eos={}, \
-             n={}, detokenize={}, stop={:?})",
+             n={}, detokenize={}, stop={:?}, skip_reading_prefix_cache={})",
             p.max_tokens,
             p.priority,
             p.eos_token_ids,
@@ -106,7 +112,8 @@ impl PyRequestParams {
             if p.ignore_eos { "True" } else { "False" },
             p.n,
             if p.text.is_some() { "True" } else { "False" },
-            self.stop()
+            self.stop(),
+            if p.skip_reading_prefix_cache { "True" } else { "False" }
         )
     }
 }

@@ -244,7 +244,8 @@ class RequestParams:
     ``eos_token_ids`` (the model's EOS ids) finish it with "stop" unless ``ignore_eos``;
     ``stop_token_ids`` always do. ``detokenize`` (needs Scheduler.set_tokenizer) makes update()
     return its text (special tokens add none); ``stop`` strings finish it with "stop", the text
-    ending before the first one to appear."""
+    ending before the first one to appear. ``skip_reading_prefix_cache``: every prompt position
+    is computed, never taken from the prefix cache."""
 
     def __new__(
         cls,
@@ -257,7 +258,11 @@ class RequestParams:
         n: int = 1,
         detokenize: bool = False,
         stop: list[str] = ...,
+        skip_reading_prefix_cache: bool = False,
     ) -> RequestParams: ...
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """Admission never takes prefix-cache hits for it (prompt logprobs need every position)."""
     @property
     def max_tokens(self) -> int: ...
     @property

@@ -15,6 +15,7 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,7 +79,7 @@ async def _one(client: Any, url: str, body: dict[str, Any]) -> Result:
             if resp.status_code != 200:
                 r.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
                 return r
-            async for line in resp.aiter_lines():
+            async for line in _lines(resp):
                 if not line.startswith("data: "):
                     continue
                 data = line[6:]
@@ -188,3 +189,16 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         "preemptions": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in sorted(set(after) | set(before))},
     }
     return report
+
+
+async def _lines(resp: Any) -> AsyncIterator[str]:
+    """A response's lines split on "\\n" only (``aiter_lines`` also splits on U+0085, U+2028 and
+    U+2029, which a JSON string may hold raw)."""
+    buf = ""
+    async for text in resp.aiter_text():
+        buf += text
+        *lines, buf = buf.split("\n")
+        for line in lines:
+            yield line.rstrip("\r")
+    if buf:
+        yield buf

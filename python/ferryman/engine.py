@@ -12,12 +12,9 @@ while the host applies; on CPU, torch computes N+1 on this thread while a helper
 the device. A sequence that stops in step N has its extra token of N+1 dropped by the core; core
 ids (which index the sampling table) are reused only once no planned step can name them.
 
-Faults (docs/faults.md): a sample row whose logits are not finite fails its request alone (an
-output with ``error`` set and ``finish_reason="error"``, its blocks freed); a step whose forward or
-sampling raises fails the requests it scheduled or preempted and the engine goes on, until
-``MAX_STEP_FAILURES`` steps fail within ``FAILURE_WINDOW_S`` seconds: then, or when the core or the
-output path raises (state that cannot be trusted), the engine is dead and ``step()`` raises
-``EngineDeadError``."""
+Faults (``engine_faults.py``, docs/faults.md): a request whose logits are not finite, or whose
+step raised, fails alone; repeated step failures, or an error from the core or the output path,
+leave the engine dead (``EngineDeadError``). ``generate`` / ``chat``: ``engine_offline.py``."""
 
 from __future__ import annotations
 
@@ -26,45 +23,27 @@ import os
 import random
 import time
 from collections import deque
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
 from ferryman._core import InvalidRequestError, RequestParams
 from ferryman.engine_args import DEFAULT_MODEL, EngineArgs
+from ferryman.engine_faults import MAX_STEP_FAILURES, NON_FINITE, EngineDeadError, FaultsMixin
+from ferryman.engine_offline import OfflineMixin, Prompt
 from ferryman.engine_setup import build_parts
 from ferryman.output_processor import OutputProcessor, RequestState
 from ferryman.outputs import PreemptionEvent, RequestMetrics, RequestOutput, StepResult, StepStats
 from ferryman.sampling_params import SamplingParams
-from ferryman.worker.sampler import SamplingTable
+from ferryman.worker.sampling_table import SamplingTable
+from ferryman.worker.step_worker import InFlight as _InFlight
 from ferryman.worker.step_worker import Sampled, StepWorker, parse_fault_steps
 
-Prompt = str | Sequence[int]
-
-MAX_STEP_FAILURES = 3  # failed steps within FAILURE_WINDOW_S that mark the engine dead
-FAILURE_WINDOW_S = 60.0
-NON_FINITE = "the model's logits for this request are not finite (NaN or inf); the request failed"
+__all__ = ["MAX_STEP_FAILURES", "Engine", "EngineDeadError", "Prompt"]
 
 
-class EngineDeadError(RuntimeError):
-    """The engine stopped after an error it cannot recover from; it can no longer generate."""
-
-
-@dataclass(slots=True)
-class _InFlight:
-    """A planned step not yet applied (async scheduling): its plan, its samples once run, and
-    the core ids to reuse once it is applied (a step planned before they were released may
-    name them)."""
-
-    plan: Any  # SchedulerOutput
-    sampled: Sampled | None = None
-    release: list[int] = field(default_factory=list)
-
-
-class Engine:
+class Engine(FaultsMixin, OfflineMixin):
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
         """``model`` and every other knob of ``EngineArgs`` as keywords; an unknown keyword is a
         ``TypeError``, a bad value an ``InvalidRequestError`` naming it."""
@@ -128,8 +107,11 @@ class Engine:
         bad = next((t for t in params.logit_bias or () if t >= vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"logit_bias: token id {bad} out of range [0, {vocab})")
+        max_tokens = (
+            params.max_tokens if params.max_tokens is not None else max(1, self.max_model_len - len(ids))
+        )
         record = RequestParams(
-            params.max_tokens or max(1, self.max_model_len - len(ids)),
+            max(1, max_tokens),  # 0 (prompt logprobs only): one token is sampled, not output
             priority=params.priority,
             eos_token_ids=self.eos_token_ids,
             stop_token_ids=params.stop_token_ids,
@@ -137,6 +119,7 @@ class Engine:
             n=params.n,
             detokenize=self.tokenizer is not None,
             stop=params.stop,
+            skip_reading_prefix_cache=params.prompt_logprobs is not None,
         )
         core_id = self._free_ids.pop() if self._free_ids else self._next_id
         try:
@@ -256,46 +239,6 @@ class Engine:
                 result.outputs.extend(self._inflight_failed(error))
             return result
 
-    def _inflight_failed(self, error: Exception) -> list[RequestOutput]:
-        """The planned step raised while it ran: fails it; no step is left in flight."""
-        failed = self._inflight
-        assert failed is not None
-        self._inflight = None
-        self._free_ids.extend(failed.release)
-        return self._step_failed(failed.plan, error)
-
-    def _step_failed(self, plan: Any, error: Exception) -> list[RequestOutput]:
-        """A step (the core's only pending one) raised in its forward or sampling: fails the
-        requests it scheduled or preempted (a swap-out it planned may not have run), then
-        applies it with every sample dropped. Raises ``EngineDeadError`` when too many steps
-        failed lately."""
-        now = time.monotonic()
-        self._failures.append(now)
-        while self._failures[0] < now - FAILURE_WINDOW_S:
-            self._failures.popleft()
-        ids = [*plan.req_ids.tolist(), *plan.preempted_req_ids.tolist()]
-        outputs = self._fail(ids, f"the step running this request failed: {error!r}")
-        self.scheduler.update(np.zeros(len(plan.sample_req_ids), np.int32))  # all dropped: aborted
-        if len(self._failures) >= MAX_STEP_FAILURES:
-            raise EngineDeadError(
-                f"{len(self._failures)} steps failed within {FAILURE_WINDOW_S:.0f} s; the last: {error!r}"
-            ) from error
-        return outputs
-
-    def _fail(self, core_ids: Sequence[int], message: str) -> list[RequestOutput]:
-        """Fails these live requests (every sequence of each): their final outputs, with
-        ``error``; their blocks are freed."""
-        outputs = []
-        now = time.monotonic()
-        for core_id in dict.fromkeys(core_ids):
-            st = self._outputs.reqs.get(core_id)
-            if st is None:  # finished or aborted already
-                continue
-            outputs.append(self._outputs.failed(st, message, now))
-            self._release(core_id)
-            self.scheduler.abort_request(core_id)
-        return outputs
-
     def _plan(self) -> Any:
         """``schedule()`` and the bookkeeping of the planned step."""
         out = self.scheduler.schedule()
@@ -315,6 +258,8 @@ class Engine:
         """``update()`` with the step's samples, then its outputs, statistics and preemptions."""
         assert sampled is not None, "the step ran"
         ids = sampled.host_ids()
+        if sampled.prompt_logprobs:
+            self._outputs.add_prompt_logprobs(sampled.prompt_logprobs)
         failed: list[RequestOutput] = []
         bad = ids < 0  # rows whose logits were not finite
         if bad.any():
@@ -333,51 +278,6 @@ class Engine:
         num_generated = int(np.count_nonzero(res.num_output_tokens))  # dropped samples count none
         return StepResult(outputs + failed, StepStats.of(out, num_generated), events)
 
-    # -- offline batch -------------------------------------------------------------------------
-
-    def generate(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
-    ) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs come back in input order."""
-        plist: list[Prompt]
-        if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int)):
-            plist = [cast(Prompt, prompts)]
-        else:
-            plist = list(cast(Sequence[Prompt], prompts))
-        params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(plist)
-        ids = [f"generate-{self._num_added + i}" for i in range(len(plist))]
-        for rid, p, sp in zip(ids, plist, params, strict=True):
-            sp = sp or SamplingParams()
-            self.add_request(rid, p, dataclasses.replace(sp, output_kind="final_only"))
-        final: dict[str, RequestOutput] = {}
-        bar = _progress(len(plist)) if use_tqdm else None
-        while len(final) < len(ids) and self.has_unfinished_requests():
-            for ro in self.step().outputs:
-                if ro.finished:
-                    final[ro.request_id] = ro
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
-        while self._inflight is not None and not self.scheduler.has_unfinished_requests():
-            self.step()  # a step planned before the last stop: only dropped samples are left
-        return [final[rid] for rid in ids]
-
-    def chat(
-        self,
-        messages: list[dict[str, str]],
-        sampling_params: SamplingParams | None = None,
-        use_tqdm: bool = False,
-    ) -> RequestOutput:
-        """Applies the model's chat template to ``messages`` and generates the reply."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequestError("this model has no chat template")
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.generate([prompt], sampling_params, use_tqdm)[0]
-
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -390,9 +290,3 @@ class Engine:
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} out of range [0, {vocab})")
         return None, ids
-
-
-def _progress(total: int) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="generate", unit="req")

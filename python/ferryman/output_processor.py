@@ -32,6 +32,7 @@ class RequestState:
     logprobs: list[list[Logprobs]] = field(default_factory=list)  # per fork, "final_only" only
     num_finished: int = 0
     per_row: bool = False  # each of its rows needs Python work, not just its finish (set by add)
+    prompt_logprobs: list[Logprobs | None] | None = None  # by prompt position, as they come
 
 
 class OutputProcessor:
@@ -44,8 +45,18 @@ class OutputProcessor:
         st.outputs = [CompletionOutput(index=k) for k in range(st.params.n)]
         if st.params.logprobs is not None and st.params.output_kind == "final_only":
             st.logprobs = [[] for _ in range(st.params.n)]
+        if st.params.prompt_logprobs is not None:
+            st.prompt_logprobs = [None] * len(st.prompt_token_ids)
         self.reqs[core_id] = st
         self._num_per_row += st.per_row
+
+    def add_prompt_logprobs(self, entries: list[tuple[int, int, Logprobs]]) -> None:
+        """(core id, prompt position, logprobs) of prompt tokens a step computed (a position
+        computed again after a recompute preemption gets the same values)."""
+        for core_id, pos, lp in entries:
+            st = self.reqs.get(core_id)
+            if st is not None and st.prompt_logprobs is not None:
+                st.prompt_logprobs[pos] = lp
 
     def remove(self, core_id: int) -> RequestState | None:
         st = self.reqs.pop(core_id, None)
@@ -119,8 +130,12 @@ class OutputProcessor:
             if done:  # the engine removes it (and frees its id)
                 st.metrics.finished_time = now
             outs = deltas.get(rid, []) if kind == "delta" else st.outputs
+            if st.params.max_tokens == 0:  # prompt logprobs only: its one sampled token is not output
+                outs = [CompletionOutput(o.index, finish_reason=o.finish_reason) for o in outs]
             results.append(
-                RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, outs, done, st.metrics)
+                RequestOutput(
+                    st.request_id, st.prompt, st.prompt_token_ids, outs, done, st.metrics, st.prompt_logprobs
+                )
             )
         return results
 
@@ -138,7 +153,9 @@ class OutputProcessor:
             outs = st.outputs
             for o in outs:
                 o.finish_reason = o.finish_reason or "error"
-        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, outs, True, st.metrics, message)
+        return RequestOutput(
+            st.request_id, st.prompt, st.prompt_token_ids, outs, True, st.metrics, st.prompt_logprobs, message
+        )
 
 
 def _add_logprob(o: CompletionOutput, lp: Logprobs, tok: int) -> None:

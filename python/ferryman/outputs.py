@@ -41,6 +41,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     metrics: RequestMetrics | None = None
+    # with SamplingParams.prompt_logprobs: per prompt token, {token_id: logprob} (None first)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     # set when the request failed (its logits were not finite, or its step raised): it is
     # finished, and its unfinished sequences have finish_reason "error"
     error: str | None = None

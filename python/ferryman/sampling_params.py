@@ -40,6 +40,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
+    # the logprob of each prompt token (the first is None) and the top N at each position;
+    # such a request takes no prefix-cache hits. With it, max_tokens may be 0 (no output)
+    prompt_logprobs: int | None = None
     # "cumulative": each step's output holds the whole text so far (vLLM's LLMEngine default);
     # "delta": only what is new since the last output; "final_only": one output, when finished
     output_kind: str = "cumulative"
@@ -57,8 +60,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (off) or >= 0, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise ValueError(f"max_tokens must be >= 1 (0 only with prompt_logprobs), got {self.max_tokens}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
         if any(not s for s in self.stop):

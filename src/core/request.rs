@@ -87,6 +87,9 @@ pub struct RequestParams {
     pub n: u32,
     /// Detokenize the output and apply stop strings; `None`: token ids only.
     pub text: Option<TextParams>,
+    /// Never take prefix-cache hits: every prompt position is computed (the runner needs the
+    /// logits of each, for prompt logprobs).
+    pub skip_reading_prefix_cache: bool,
 }
 
 impl RequestParams {
@@ -131,6 +134,8 @@ pub struct Request {
     pub stop: StopParams,
     /// Forks still to make when the prompt completes (n for an unforked parent, else 1).
     pub num_pending_forks: u32,
+    /// Admission never takes prefix-cache hits for it (`RequestParams::skip_reading_prefix_cache`).
+    pub skip_reading_prefix_cache: bool,
     /// Where the request is.
     pub status: RequestStatus,
     /// Times this request was preempted; each raises its precedence.
@@ -176,6 +181,7 @@ impl Request {
                 ignore_eos: p.ignore_eos,
             },
             num_pending_forks: p.n,
+            skip_reading_prefix_cache: p.skip_reading_prefix_cache,
             text: None, // the scheduler attaches it: it holds the tokenizer
             released_text: String::new(),
             row: None,
@@ -242,6 +248,7 @@ mod tests {
             num_computed_tokens: 0,
             stop: StopParams { max_tokens, eos_token_ids: vec![2], stop_token_ids: vec![9], ignore_eos: false },
             num_pending_forks: 1,
+            skip_reading_prefix_cache: false,
             status: RequestStatus::Running,
             num_preemptions: 0,
             block_hashes: vec![],

@@ -86,7 +86,7 @@ asgi.shutdown_lifespans()  # loading the schema started that app's engine thread
 # The engine's refusals that depend on the model (``Scheduler::add_request``, ``Engine._tokenize``).
 MODEL_LIMITS = re.compile(
     rf"exceeds max_model_len={MAX_MODEL_LEN}$|^(logit_bias: )?token id \d+ out of range \[0, {VOCAB}\)$"
-    r"|^min_tokens \(\d+\) must be <= max_tokens"
+    r"|^min_tokens \(\d+\) must be <= max_tokens|^max_tokens must be >= 1 \(0 only with echo\)"
 )
 
 

@@ -228,7 +228,8 @@ BAD_REQUESTS: list[tuple[str, Any, int, str]] = [
     (CMPL, {"prompt": "x", "stop": 7}, 400, "stop"),
     (CMPL, {"prompt": "x", "stop_token_ids": [-1]}, 400, "out of range"),
     (CMPL, {"prompt": "x", "seed": "abc"}, 400, "seed"),
-    (CMPL, {"prompt": "x", "echo": True}, 400, "echo"),
+    (CMPL, {"prompt": "x", "echo": 1}, 400, "echo"),
+    (CMPL, {"prompt": "x", "max_tokens": 0}, 400, "0 only with echo"),
     (CMPL, {"prompt": "x", "model": "gpt-4"}, 404, "does not exist"),
     (CHAT, {"messages": []}, 400, "messages"),
     (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
@@ -468,3 +469,35 @@ def test_tokenize_detokenize_and_tokenizer_info(server: Server, offline: Engine)
     ]:
         r = httpx.post(server.url + path, json=bad)
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+def test_echo_with_logprobs_as_lm_eval_asks(server: Server, offline: Engine) -> None:
+    """lm-eval's ``local-completions`` loglikelihood request: token-id prompts, echo, logprobs 1,
+    max_tokens 1 (or 0); the prompt tokens' logprobs come first, the first null."""
+    prompts = [[72, 101, 108, 108, 111], [65, 66, 67, 68]]
+    want = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    body = {"prompt": prompts, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+    r = httpx.post(server.url + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    for choice, p, w in zip(r.json()["choices"], prompts, want, strict=True):
+        lp = choice["logprobs"]
+        assert choice["text"] == offline.tokenizer.decode(p) + w.outputs[0].text
+        assert len(lp["token_logprobs"]) == len(p) + 1 and lp["token_logprobs"][0] is None
+        assert lp["top_logprobs"][0] is None
+        assert w.prompt_logprobs is not None
+        for pos in range(1, len(p)):
+            d = w.prompt_logprobs[pos]
+            assert d is not None and lp["token_logprobs"][pos] == pytest.approx(d[p[pos]], abs=1e-5)
+        assert lp["text_offset"][: len(p)] == sorted(lp["text_offset"][: len(p)])
+    r = httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": 0, "prompt_logprobs": 2})
+    choice = r.json()["choices"][0]
+    assert choice["text"] == offline.tokenizer.decode(prompts[0]) and len(choice["logprobs"]["tokens"]) == 5
+    assert choice["prompt_logprobs"][0] is None and len(choice["prompt_logprobs"][1]) >= 2
+    plain = httpx.post(server.url + "/v1/completions", json=body).json()["choices"]
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}) as resp:
+        events = sse(resp.iter_lines())
+    texts: dict[int, str] = {}
+    for e in events:  # the echoed prompt comes with each choice's first chunk
+        for c in e["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert texts == {c["index"]: c["text"] for c in plain}

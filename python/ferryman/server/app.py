@@ -20,11 +20,8 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel
-from starlette.exceptions import HTTPException
 
 from ferryman.sampling_params import SamplingParams
 from ferryman.server import protocol as api
@@ -37,35 +34,10 @@ from ferryman.server.async_engine import (
     RequestFailedError,
     Update,
 )
+from ferryman.server.errors import ERRORS, ApiError, generation, install_error_handlers
+from ferryman.server.tokenize_routes import add_tokenizer_routes
 
 T = TypeVar("T")
-
-# The answers the schema publishes besides 200: errors in OpenAI's body (and no FastAPI 422: a
-# body the request models refuse gets 400).
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    "4XX": {"model": api.ErrorResponse, "description": "Refused: 400 invalid, 404 unknown model"},
-    "5XX": {"model": api.ErrorResponse, "description": "Failed, overloaded, draining or stopped"},
-}
-
-
-def _generation(body: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
-    ok = {"model": body, "content": {"text/event-stream": {}}, "description": "The body, or its SSE stream"}
-    return {200: ok, **_ERRORS}
-
-
-class ApiError(Exception):
-    def __init__(
-        self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None
-    ):
-        super().__init__(message)
-        self.status, self.body = (
-            status,
-            api.ErrorResponse(error=api.ErrorInfo(message=message, type=type_, param=param, code=code)),
-        )
-
-
-def _error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body.model_dump(), status_code=e.status)
 
 
 async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
@@ -80,32 +52,6 @@ async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
             raise ApiError(499, "client disconnected", "client_closed_request")
 
 
-async def _sse_events(
-    streams: list[AsyncIterator[Update]],
-    choice: Callable[[int, Delta], Any],
-    chunk: Callable[[list[Any], api.Usage | None], Any],
-    include_usage: bool,
-) -> AsyncIterator[str]:
-    """A streamed response's events: one chunk per update that has deltas (``choice`` maps the
-    prompt index and a delta to a choice), the usage chunk when asked, then ``[DONE]``; an engine
-    that dies or fails the request mid-stream ends it with an error event, then ``[DONE]``."""
-    prompt_tokens: dict[int, int] = {}
-    completion_tokens = 0
-    try:
-        async for i, u in responses.merge(streams):
-            prompt_tokens[i] = u.num_prompt_tokens
-            completion_tokens += sum(len(d.token_ids) for d in u.deltas)
-            if u.deltas:
-                yield responses.sse(chunk([choice(i, d) for d in u.deltas], None))
-        if include_usage:
-            yield responses.sse(chunk([], responses.usage(sum(prompt_tokens.values()), completion_tokens)))
-    except EngineDeadError as e:
-        yield responses.sse(ApiError(503, str(e), "server_error").body)
-    except RequestFailedError as e:
-        yield responses.sse(ApiError(500, str(e), "server_error").body)
-    yield "data: [DONE]\n\n"
-
-
 def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -116,33 +62,9 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
             engine.shutdown()
 
     app = FastAPI(title="ferryman", lifespan=lifespan)
+    install_error_handlers(app)
     tokenizer = engine.engine.tokenizer
     max_model_len = engine.engine.max_model_len
-
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, e: ApiError) -> JSONResponse:
-        return _error_response(e)
-
-    @app.exception_handler(HTTPException)
-    async def _http_error(_: Request, e: HTTPException) -> JSONResponse:
-        """What FastAPI answers itself (a body it cannot decode, an unknown path, a method the
-        path does not serve), in OpenAI's error body too."""
-        type_ = "invalid_request_error" if e.status_code < 500 else "server_error"
-        response = _error_response(ApiError(e.status_code, str(e.detail), type_))
-        response.headers.update(e.headers or {})
-        return response
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        errs = list(e.errors())
-        if any(err.get("type") == "json_invalid" for err in errs):
-            return _error_response(
-                ApiError(400, "the request body is not valid JSON", "invalid_request_error")
-            )
-        fields = [".".join(str(x) for x in err.get("loc", ()) if x != "body") for err in errs]
-        msg = "; ".join(f"{f or 'body'}: {err.get('msg')}" for f, err in zip(fields, errs, strict=True))
-        param = fields[0] if fields and fields[0] else None
-        return _error_response(ApiError(400, msg or "invalid request", "invalid_request_error", param))
 
     def token_str(t: int) -> str:
         return str(tokenizer.decode([t])) if tokenizer is not None else str(t)
@@ -196,67 +118,22 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    def need_tokenizer(model: str | None) -> Any:
-        check_model(model)
-        if tokenizer is None:
-            raise ApiError(400, "this model has no tokenizer", "invalid_request_error")
-        return tokenizer
+    add_tokenizer_routes(app, tokenizer, engine.engine.model.cfg.vocab_size, max_model_len, check_model)
 
-    @app.post("/tokenize", responses=_ERRORS)
-    async def tokenize(body: api.TokenizeRequest) -> api.TokenizeResponse:
-        """vLLM's: the ids of a text prompt, or of chat messages through the model's template."""
-        tok = need_tokenizer(body.model)
-        if isinstance(body, api.TokenizeChatRequest):
-            if not getattr(tok, "chat_template", None):
-                raise ApiError(400, "this model has no chat template", "invalid_request_error", "messages")
-            msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
-            text = str(
-                tok.apply_chat_template(
-                    msgs, add_generation_prompt=body.add_generation_prompt, tokenize=False
-                )
-            )
-            ids = list(tok.encode(text, add_special_tokens=False))
-        else:
-            ids = list(tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
-        strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
-        return api.TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs)
-
-    @app.post("/detokenize", responses=_ERRORS)
-    async def detokenize(body: api.DetokenizeRequest) -> api.DetokenizeResponse:
-        tok = need_tokenizer(body.model)
-        vocab = engine.engine.model.cfg.vocab_size
-        bad = next((t for t in body.tokens if t >= vocab), None)
-        if bad is not None:
-            raise ApiError(
-                400, f"token id {bad} out of range [0, {vocab})", "invalid_request_error", "tokens"
-            )
-        return api.DetokenizeResponse(prompt=str(tok.decode(body.tokens)))
-
-    @app.get("/tokenizer_info", responses=_ERRORS)
-    async def tokenizer_info() -> dict[str, Any]:
-        """vLLM's: what a client needs to tokenize as the server does (lm-eval probes it)."""
-        tok = need_tokenizer(None)
-        info: dict[str, Any] = {"tokenizer_class": type(tok).__name__, "model_max_length": max_model_len}
-        for k in ("bos_token", "eos_token", "pad_token", "unk_token", "chat_template"):
-            v = getattr(tok, k, None)
-            if v is not None:
-                info[k] = str(v)
-        return info
-
-    @app.get("/v1/models", responses=_ERRORS)
+    @app.get("/v1/models", responses=ERRORS)
     async def models() -> api.ModelList:
         return api.ModelList(data=[api.ModelCard(id=served_model_name, max_model_len=max_model_len)])
 
     @app.get(
         "/metrics",
-        responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text"}, **_ERRORS},
+        responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text"}, **ERRORS},
     )
     async def metrics() -> Response:
         if engine.metrics is None:
             raise ApiError(404, "metrics are off", "invalid_request_error")
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions", response_model=None, responses=_generation(api.CompletionResponse))
+    @app.post("/v1/completions", response_model=None, responses=generation(api.CompletionResponse))
     async def completions(body: api.CompletionRequest, request: Request) -> Response | api.CompletionResponse:
         check(body.model)
         params = _params(body.sampling_params)
@@ -265,42 +142,71 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
             raise ApiError(400, "prompt must not be empty", "invalid_request_error", "prompt")
         rid, streams = await submit("cmpl", prompts, params)
         n = params.n
+
+        def with_prompt(
+            i: int, text: str, lp: api.CompletionLogprobs | None, pdata: tuple[list[int], list[Any]] | None
+        ) -> tuple[str, api.CompletionLogprobs | None, list[dict[str, float] | None] | None]:
+            """Choice text and logprobs of prompt i with the echoed prompt (and its logprobs) first;
+            and vLLM's ``prompt_logprobs`` when asked."""
+            plp = None
+            if pdata is not None and body.prompt_logprobs is not None:
+                plp = responses.by_token_id(pdata[1])
+            if not body.echo:
+                return text, lp, plp
+            p = prompts[i]
+            head = p if isinstance(p, str) else str(tokenizer.decode(p)) if tokenizer is not None else ""
+            if lp is not None and pdata is not None:
+                full = responses.echo_logprobs(*pdata, token_str)
+                lp = api.CompletionLogprobs(
+                    tokens=full.tokens + lp.tokens,
+                    token_logprobs=full.token_logprobs + lp.token_logprobs,
+                    top_logprobs=full.top_logprobs + lp.top_logprobs,
+                    text_offset=full.text_offset + [o + len(head) for o in lp.text_offset],
+                )
+            return head + text, lp, plp
+
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
+            first: set[int] = set()
 
-            def choice(i: int, d: Delta) -> api.CompletionChoice:
+            def choice(i: int, d: Delta, u: Update) -> api.CompletionChoice:
                 lp = responses.completion_logprobs(d.token_ids, d.logprobs, token_str, 0)
+                c = i * n + d.index
+                text, plp = d.text, None
+                if c not in first:  # the echoed prompt goes out with the choice's first chunk
+                    first.add(c)
+                    pdata = None
+                    if u.prompt_token_ids is not None and u.prompt_logprobs is not None:
+                        pdata = (u.prompt_token_ids, u.prompt_logprobs)
+                    text, lp, plp = with_prompt(i, text, lp, pdata)
                 return api.CompletionChoice(
-                    index=i * n + d.index, text=d.text, logprobs=lp, finish_reason=d.finish_reason
+                    index=c, text=text, logprobs=lp, finish_reason=d.finish_reason, prompt_logprobs=plp
                 )
 
             def chunk(choices: list[Any], usage: api.Usage | None) -> api.CompletionResponse:
                 return api.CompletionResponse(id=rid, model=served_model_name, choices=choices, usage=usage)
 
-            events = _sse_events(streams, choice, chunk, include_usage)
+            events = responses.sse_events(streams, choice, chunk, include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
 
         async def collect() -> api.CompletionResponse:
             acc = await responses.accumulate(streams, n)
-            choices = [
-                api.CompletionChoice(
-                    index=c,
-                    text="".join(acc.text.get(c, [])),
-                    logprobs=responses.completion_logprobs(
-                        acc.toks.get(c, []),
-                        acc.lps.get(c) if params.logprobs is not None else None,
-                        token_str,
-                        0,
-                    ),
-                    finish_reason=acc.reasons.get(c),
+            choices = []
+            for c in range(len(prompts) * n):
+                lp = responses.completion_logprobs(
+                    acc.toks.get(c, []), acc.lps.get(c) if params.logprobs is not None else None, token_str, 0
                 )
-                for c in range(len(prompts) * n)
-            ]
+                text, lp, plp = with_prompt(c // n, "".join(acc.text.get(c, [])), lp, acc.prompts.get(c // n))
+                choices.append(
+                    api.CompletionChoice(
+                        index=c, text=text, logprobs=lp, finish_reason=acc.reasons.get(c), prompt_logprobs=plp
+                    )
+                )
             return api.CompletionResponse(id=rid, model=served_model_name, choices=choices, usage=acc.usage())
 
         return await _run_collect(request, collect(), streams)
 
-    @app.post("/v1/chat/completions", response_model=None, responses=_generation(api.ChatCompletionResponse))
+    @app.post("/v1/chat/completions", response_model=None, responses=generation(api.ChatCompletionResponse))
     async def chat(
         body: api.ChatCompletionRequest, request: Request
     ) -> Response | api.ChatCompletionResponse:
@@ -320,7 +226,7 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
 
             started: set[int] = set()
 
-            def choice(_: int, d: Delta) -> api.ChatChunkChoice:
+            def choice(_: int, d: Delta, __: Update) -> api.ChatChunkChoice:
                 role: Any = None if d.index in started else "assistant"
                 started.add(d.index)
                 lp = responses.chat_logprobs(d.token_ids, d.logprobs, token_str, top_n) if want_lp else None
@@ -334,7 +240,7 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
             def chunk(choices: list[Any], usage: api.Usage | None) -> api.ChatCompletionChunk:
                 return api.ChatCompletionChunk(id=rid, model=served_model_name, choices=choices, usage=usage)
 
-            events = _sse_events(streams, choice, chunk, include_usage)
+            events = responses.sse_events(streams, choice, chunk, include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
 
         async def collect() -> api.ChatCompletionResponse:

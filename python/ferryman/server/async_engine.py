@@ -32,36 +32,8 @@ from ferryman.engine import Engine, EngineDeadError, Prompt
 from ferryman.outputs import RequestMetrics, RequestOutput
 from ferryman.sampling_params import SamplingParams
 from ferryman.server.metrics import Metrics
+from ferryman.server.updates import Delta, DrainingError, RequestFailedError, Update
 from ferryman.trace import TraceWriter, step_record
-
-
-@dataclass(slots=True)
-class Delta:
-    """What one of the n sequences added since the last update."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
-    finish_reason: str | None
-
-
-@dataclass(slots=True)
-class Update:
-    deltas: list[Delta]
-    finished: bool
-    num_prompt_tokens: int
-    error: str | None = None  # the request failed (its iterator raises RequestFailedError)
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed this request (its logits were not finite, or its step raised); other
-    requests go on."""
-
-
-class DrainingError(RuntimeError):
-    """The server is shutting down and accepts no new request."""
-
 
 __all__ = ["AsyncEngine", "Delta", "DrainingError", "EngineDeadError", "RequestFailedError", "Update"]
 
@@ -72,6 +44,7 @@ class _Stream:
     queue: asyncio.Queue[Any]
     num_tokens: list[int]  # per sequence, sent so far
     reasons: list[str | None]  # per sequence, its finish reason once sent
+    prompt_sent: bool = False  # its prompt logprobs (if any) went out
 
 
 _ACCEPTED = object()
@@ -300,9 +273,14 @@ class AsyncEngine:
         if s is None:
             return 0
         deltas = [Delta(o.index, o.text, o.token_ids, o.logprobs, o.finish_reason) for o in ro.outputs]
-        self._send(
-            ro.request_id, s, Update(deltas, ro.finished, len(ro.prompt_token_ids), ro.error), ro.metrics
-        )
+        u = Update(deltas, ro.finished, len(ro.prompt_token_ids), ro.error)
+        if ro.prompt_logprobs is not None and not s.prompt_sent:
+            u.prompt_token_ids, u.prompt_logprobs, s.prompt_sent = (
+                ro.prompt_token_ids,
+                ro.prompt_logprobs,
+                True,
+            )
+        self._send(ro.request_id, s, u, ro.metrics)
         return sum(len(d.token_ids) for d in deltas)
 
     def _send(self, request_id: str, s: _Stream, u: Update, m: RequestMetrics | None) -> None:

@@ -15,120 +15,89 @@ configuration (``n`` within ``max_num_seqs``) the engine checks, answering 400 a
 from __future__ import annotations
 
 import logging
-import time
 from typing import Annotated, Any, Literal
 
-from annotated_types import Ge, Le, MinLen
+from annotated_types import Ge, Le
 from pydantic import (
-    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
-    Discriminator,
     Field,
-    Tag,
-    ValidationInfo,
-    WithJsonSchema,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
 
 from ferryman.sampling_params import SamplingParams
+from ferryman.server.response_models import (
+    AssistantMessage as AssistantMessage,
+)
+from ferryman.server.response_models import (
+    ChatChoice as ChatChoice,
+)
+from ferryman.server.response_models import (
+    ChatChunkChoice as ChatChunkChoice,
+)
+from ferryman.server.response_models import (
+    ChatCompletionChunk as ChatCompletionChunk,
+)
+from ferryman.server.response_models import (
+    ChatCompletionResponse as ChatCompletionResponse,
+)
+from ferryman.server.response_models import (
+    ChatLogprobs as ChatLogprobs,
+)
+from ferryman.server.response_models import (
+    ChatTokenLogprob as ChatTokenLogprob,
+)
+from ferryman.server.response_models import (
+    CompletionChoice as CompletionChoice,
+)
+from ferryman.server.response_models import (
+    CompletionLogprobs as CompletionLogprobs,
+)
+from ferryman.server.response_models import (
+    CompletionResponse as CompletionResponse,
+)
+from ferryman.server.response_models import (
+    DeltaMessage as DeltaMessage,
+)
+from ferryman.server.response_models import (
+    DetokenizeResponse as DetokenizeResponse,
+)
+from ferryman.server.response_models import (
+    ErrorInfo as ErrorInfo,
+)
+from ferryman.server.response_models import (
+    ErrorResponse as ErrorResponse,
+)
+from ferryman.server.response_models import (
+    ModelCard as ModelCard,
+)
+from ferryman.server.response_models import (
+    ModelList as ModelList,
+)
+from ferryman.server.response_models import (  # re-exported: the API's bodies in one place
+    TokenizeResponse as TokenizeResponse,
+)
+from ferryman.server.response_models import (
+    TopLogprob as TopLogprob,
+)
+from ferryman.server.response_models import (
+    Usage as Usage,
+)
+from ferryman.server.schema_types import (
+    I32_MAX,
+    JSON_INT,
+    JSON_INT_MAX,
+    LogitBias,
+    MaxTokens,
+    Prompt,
+    TokenId,
+    TopLogprobs,
+    Unsupported,
+    _json_false,
+)
 
 log = logging.getLogger("ferryman.server")
-
-I32_MAX = 2**31 - 1
-# JSON's interoperable integers (I-JSON): a double holds each exactly, so a bound means the same to
-# every client and validator (near 2**63, 9.223372036854776e18 both is and is not within int64).
-JSON_INT_MAX = 2**53 - 1
-
-
-def _json_integer(v: Any) -> Any:
-    """JSON Schema's integers include numbers written with a zero fraction (``2.0``)."""
-    return int(v) if isinstance(v, float) and v.is_integer() else v
-
-
-# Last in an ``Annotated``, so it runs first and the bounds before it stay in the JSON schema.
-JSON_INT = BeforeValidator(_json_integer)
-
-
-def _json_false(v: Any) -> Any:
-    """``false`` and nothing else (a ``Literal[False]`` alone takes ``0``)."""
-    if v is not False:
-        raise PydanticCustomError("literal_error", "Input should be False")
-    return v
-
-
-def _token_id(v: int) -> int:
-    if not 0 <= v <= I32_MAX:
-        raise PydanticCustomError("token_id", "token id {v} out of range [0, 2**31)", {"v": v})
-    return v
-
-
-def _not_empty(v: Any) -> Any:
-    if v == "" or v == [] or (isinstance(v, list) and any(p == "" or p == [] for p in v)):
-        raise PydanticCustomError("empty_prompt", "prompt must not be empty")
-    return v
-
-
-def _prompt_shape(v: Any) -> str | None:
-    if isinstance(v, str):
-        return "text"
-    if not isinstance(v, list):
-        return None
-    if all(isinstance(p, str) for p in v):
-        return "texts"
-    return "token_id_lists" if all(isinstance(p, list) for p in v) else "token_ids"
-
-
-TokenId = Annotated[
-    int,
-    AfterValidator(_token_id),
-    WithJsonSchema({"type": "integer", "minimum": 0, "maximum": I32_MAX}),
-    JSON_INT,
-]
-TokenIds = Annotated[list[TokenId], MinLen(1)]
-Text = Annotated[str, MinLen(1)]
-# One shape or another by the JSON type (so an error names the shape meant); an empty prompt or
-# part is refused first, with one message.
-Prompt = Annotated[
-    Annotated[Text, Tag("text")]
-    | Annotated[list[Text], MinLen(1), Tag("texts")]
-    | Annotated[TokenIds, Tag("token_ids")]
-    | Annotated[list[TokenIds], MinLen(1), Tag("token_id_lists")],
-    Discriminator(
-        _prompt_shape,
-        custom_error_type="prompt_type",
-        custom_error_message="prompt must be a string, a list of strings, a list of token ids or a "
-        "list of token-id lists",
-    ),
-    BeforeValidator(_not_empty),
-]
-BiasTokenId = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]  # a token id, as JSON keys are strings
-# keys that are not token ids are refused, so the schema says so (pydantic's own leaves them open)
-LogitBias = Annotated[
-    dict[BiasTokenId, Annotated[float, Field(ge=-100, le=100)]],
-    WithJsonSchema(
-        {
-            "type": "object",
-            "patternProperties": {r"^[0-9]{1,9}$": {"type": "number", "minimum": -100, "maximum": 100}},
-            "additionalProperties": False,
-        }
-    ),
-]
-MaxTokens = Annotated[int, Ge(1), Le(JSON_INT_MAX), JSON_INT]
-TopLogprobs = Annotated[int, Ge(0), Le(20), JSON_INT]
-
-
-def _refuse(v: Any, info: ValidationInfo) -> Any:
-    if v is not None:
-        raise PydanticCustomError("unsupported", f"{info.field_name} is not supported by ferryman")
-    return v
-
-
-# An OpenAI field ferryman does not implement: the schema allows only null (or leaving it out),
-# and a value is refused with a message that names the field (never silently ignored).
-Unsupported = Annotated[None, BeforeValidator(_refuse)]
 
 
 class _Body(BaseModel):
@@ -168,7 +137,9 @@ class _Sampling(_Body):
     logit_bias: LogitBias | None = None
     min_tokens: Annotated[int, Ge(0), Le(JSON_INT_MAX), JSON_INT] = 0
 
-    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=self.n,
@@ -188,14 +159,20 @@ class _Sampling(_Body):
             repetition_penalty=self.repetition_penalty,
             logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
             min_tokens=self.min_tokens,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
 class CompletionRequest(_Sampling):
     prompt: Prompt
-    max_tokens: MaxTokens | None = 16
+    # 0 only with echo (the prompt's logprobs, nothing generated)
+    max_tokens: Annotated[int, Ge(0), Le(JSON_INT_MAX), JSON_INT] | None = 16
     logprobs: TopLogprobs | None = None
-    echo: Annotated[Literal[False], BeforeValidator(_json_false)] = False
+    # the prompt before the completion in each choice (with logprobs: the prompt tokens' too,
+    # the first null, as OpenAI answers)
+    echo: bool = False
+    # vLLM's: the top N logprobs of every prompt position
+    prompt_logprobs: TopLogprobs | None = None
     suffix: Unsupported = None
     best_of: Unsupported = None
 
@@ -208,7 +185,12 @@ class CompletionRequest(_Sampling):
         return list(p)  # type: ignore[arg-type]
 
     def sampling_params(self) -> SamplingParams:
-        return self._params(self.max_tokens, self.logprobs)
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be >= 1 (0 only with echo)")
+        plp = self.prompt_logprobs
+        if self.echo and (self.logprobs is not None or self.max_tokens == 0):  # echo needs them
+            plp = max(self.logprobs or 0, plp or 0)
+        return self._params(self.max_tokens, self.logprobs, plp)
 
 
 class ContentPart(_Body):
@@ -281,126 +263,3 @@ TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[TokenId]
-
-
-# -- responses ------------------------------------------------------------------------------------
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob]
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "ferryman"
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo

@@ -13,12 +13,17 @@ from typing import Any
 from pydantic import BaseModel
 
 from ferryman.server import protocol as api
-from ferryman.server.async_engine import Update
+from ferryman.server.async_engine import Delta, EngineDeadError, RequestFailedError, Update
+from ferryman.server.errors import ApiError
+
+# characters that JSON and SSE allow raw but that line splitters such as str.splitlines (httpx's
+# aiter_lines) break on: escaped, the event stays one line for every client
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 def sse(obj: BaseModel | dict[str, Any]) -> str:
     data = obj.model_dump_json(exclude_none=False) if isinstance(obj, BaseModel) else json.dumps(obj)
-    return f"data: {data}\n\n"
+    return f"data: {data.translate(_LINE_BREAKS)}\n\n"
 
 
 async def merge(streams: list[AsyncIterator[Update]]) -> AsyncIterator[tuple[int, Update]]:
@@ -63,6 +68,8 @@ class Accumulated:
     lps: dict[int, list[dict[int, float]]] = field(default_factory=dict)
     reasons: dict[int, str | None] = field(default_factory=dict)
     prompt_tokens: dict[int, int] = field(default_factory=dict)
+    # by prompt index, with prompt logprobs: the prompt's ids and their logprobs
+    prompts: dict[int, tuple[list[int], list[dict[int, float] | None]]] = field(default_factory=dict)
 
     def usage(self) -> api.Usage:
         return usage(sum(self.prompt_tokens.values()), sum(len(t) for t in self.toks.values()))
@@ -72,6 +79,8 @@ async def accumulate(streams: list[AsyncIterator[Update]], n: int) -> Accumulate
     acc = Accumulated()
     async for i, u in merge(streams):
         acc.prompt_tokens[i] = u.num_prompt_tokens
+        if u.prompt_token_ids is not None and u.prompt_logprobs is not None:
+            acc.prompts[i] = (u.prompt_token_ids, u.prompt_logprobs)
         for d in u.deltas:
             c = i * n + d.index
             acc.text.setdefault(c, []).append(d.text)
@@ -100,6 +109,26 @@ def completion_logprobs(
     return out
 
 
+def echo_logprobs(
+    prompt: list[int], lps: list[dict[int, float] | None], token_str: Callable[[int], str]
+) -> api.CompletionLogprobs:
+    """The prompt's part of an echoed choice's logprobs: each prompt token, its logprob (None for
+    the first, which nothing predicts) and the top ones."""
+    out, offset = api.CompletionLogprobs(), 0
+    for t, d in zip(prompt, lps, strict=True):
+        out.tokens.append(token_str(t))
+        out.token_logprobs.append(None if d is None else d[t])
+        out.top_logprobs.append(None if d is None else {token_str(k): v for k, v in d.items()})
+        out.text_offset.append(offset)
+        offset += len(out.tokens[-1])
+    return out
+
+
+def by_token_id(lps: list[dict[int, float] | None]) -> list[dict[str, float] | None]:
+    """vLLM's ``prompt_logprobs`` field: JSON keys are strings."""
+    return [None if d is None else {str(k): v for k, v in d.items()} for d in lps]
+
+
 def chat_logprobs(
     toks: list[int], lps: list[dict[int, float]] | None, token_str: Callable[[int], str], top_n: int
 ) -> api.ChatLogprobs | None:
@@ -121,3 +150,29 @@ def chat_logprobs(
             )
         )
     return api.ChatLogprobs(content=content)
+
+
+async def sse_events(
+    streams: list[AsyncIterator[Update]],
+    choice: Callable[[int, Delta, Update], Any],
+    chunk: Callable[[list[Any], api.Usage | None], Any],
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """A streamed response's events: one chunk per update that has deltas (``choice`` maps the
+    prompt index and a delta to a choice), the usage chunk when asked, then ``[DONE]``; an engine
+    that dies or fails the request mid-stream ends it with an error event, then ``[DONE]``."""
+    prompt_tokens: dict[int, int] = {}
+    completion_tokens = 0
+    try:
+        async for i, u in merge(streams):
+            prompt_tokens[i] = u.num_prompt_tokens
+            completion_tokens += sum(len(d.token_ids) for d in u.deltas)
+            if u.deltas:
+                yield sse(chunk([choice(i, d, u) for d in u.deltas], None))
+        if include_usage:
+            yield sse(chunk([], usage(sum(prompt_tokens.values()), completion_tokens)))
+    except EngineDeadError as e:
+        yield sse(ApiError(503, str(e), "server_error").body)
+    except RequestFailedError as e:
+        yield sse(ApiError(500, str(e), "server_error").body)
+    yield "data: [DONE]\n\n"

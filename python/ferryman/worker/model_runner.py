@@ -64,9 +64,12 @@ class ModelRunner:
             self.graphs = DecodeGraphs(fi, model, capture_sizes(max_num_seqs), pages)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, prev: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 logits ``[S, vocab]``, S = len(out.logits_indices). ``prev``: the previous
-        step's sampled ids (int32, on the device) when this step's inputs name some."""
+    def execute(
+        self, out: SchedulerOutput, prev: torch.Tensor | None = None, also: np.ndarray | None = None
+    ) -> torch.Tensor:
+        """float32 logits ``[S, vocab]``, S = len(out.logits_indices), then one row per token
+        index of ``also`` (prompt logprobs). ``prev``: the previous step's sampled ids (int32,
+        on the device) when this step's inputs name some."""
         step = self.block_table.step(out)
         self.kv.run_plans(
             out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy, step.slot_mapping
@@ -84,8 +87,8 @@ class ModelRunner:
                 input_ids[fill[0]] = fill[1]
             positions = torch.from_numpy(step.positions).to(self.device)
             hidden = self.model(input_ids, positions, self.attn)
-        rows = hidden[torch.from_numpy(out.logits_indices).to(self.device)]
-        return self.model.compute_logits(rows)
+        at = out.logits_indices if also is None else np.concatenate([out.logits_indices, also])
+        return self.model.compute_logits(hidden[torch.from_numpy(at).to(self.device)])
 
     def _inflight_inputs(
         self, out: SchedulerOutput, prev: torch.Tensor | None

@@ -20,14 +20,15 @@ through the kernel on every parallel region (measured: the forward ~1.4x slower)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ferryman._core import SchedulerOutput
+from ferryman.worker.logit_state import prompt_logprobs
 from ferryman.worker.model_runner import ModelRunner
-from ferryman.worker.sampler import SampleArgs, SamplingTable
+from ferryman.worker.sampling_table import SampleArgs, SamplingTable
 
 Logprobs = list[dict[int, float] | None] | None
 
@@ -39,12 +40,24 @@ class Sampled:
     ids: np.ndarray | torch.Tensor  # numpy, or a pinned tensor that ``ready`` fills
     logprobs: Logprobs
     ready: torch.cuda.Event | None = None
+    prompt_logprobs: list[tuple[int, int, dict[int, float]]] | None = None  # (core id, position, lps)
 
     def host_ids(self) -> np.ndarray:
         """The ids as int32 numpy, once the copy is done."""
         if self.ready is not None:
             self.ready.synchronize()
         return self.ids.numpy() if isinstance(self.ids, torch.Tensor) else self.ids
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A planned step not yet applied (async scheduling): its plan, its samples once run, and
+    the core ids to reuse once it is applied (a step planned before they were released may
+    name them)."""
+
+    plan: SchedulerOutput
+    sampled: Sampled | None = None
+    release: list[int] = field(default_factory=list)
 
 
 class InjectedFault(RuntimeError):
@@ -77,9 +90,15 @@ class StepWorker:
         if plan.step in self.faults:
             raise InjectedFault(f"injected fault at step {plan.step}")
         self.sampling.write_rows(args)
-        logits = self.runner.execute(plan, self._prev)
+        also = None if args.prompt is None else args.prompt.at
+        logits = self.runner.execute(plan, self._prev, also)
+        prompt_lps = None
+        if args.prompt is not None:  # read back now: only requests that ask for them pay the wait
+            num_samples = len(plan.sample_req_ids)
+            prompt_lps = prompt_logprobs(logits[num_samples:], args.prompt)
+            logits = logits[:num_samples]
         if not len(plan.sample_req_ids):
-            return Sampled(np.zeros(0, np.int32), None)
+            return Sampled(np.zeros(0, np.int32), None, prompt_logprobs=prompt_lps)
         # one reduction per row: NaN or +-inf anywhere in a row makes its sum non-finite
         finite = torch.isfinite(logits.sum(dim=-1))
         b = np.searchsorted(plan.qo_indptr, plan.logits_indices, side="right") - 1
@@ -93,9 +112,9 @@ class StepWorker:
         self._prev = torch.where(finite, tokens, 0)
         tokens = torch.where(finite, tokens, -1)
         if tokens.device.type != "cuda" or not self.overlap:
-            return Sampled(tokens.cpu().numpy(), lps)
+            return Sampled(tokens.cpu().numpy(), lps, prompt_logprobs=prompt_lps)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         ready.record()
-        return Sampled(host, lps, ready)
+        return Sampled(host, lps, ready, prompt_lps)

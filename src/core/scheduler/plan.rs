@@ -163,7 +163,7 @@ impl Scheduler {
                 break;
             }
             let num_tokens = r.num_tokens();
-            let (hit, free_hits) = if self.cfg.enable_prefix_caching {
+            let (hit, free_hits) = if self.cfg.enable_prefix_caching && !r.skip_reading_prefix_cache {
                 self.kv.hash_blocks(&mut r.block_hashes, &r.token_ids);
                 let max_hit = ((num_tokens - 1) / bs).min(r.block_hashes.len());
                 self.kv.match_prefix(&r.block_hashes[..max_hit])

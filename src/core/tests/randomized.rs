@@ -119,6 +119,7 @@ impl Harness {
             ignore_eos: rng.chance(0.2),
             n: if rng.chance(0.2) { rng.range(2, 3) as u32 } else { 1 },
             text: None,
+            skip_reading_prefix_cache: rng.chance(0.1),
         };
         let id = self.next_id;
         self.next_id += 1;

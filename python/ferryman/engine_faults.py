@@ -1,0 +1,76 @@
+"""How the engine fails requests (docs/faults.md): a step that raised fails the requests it
+scheduled or preempted and the engine goes on, until ``MAX_STEP_FAILURES`` steps fail within
+``FAILURE_WINDOW_S`` seconds; a request whose logits are not finite fails alone (``NON_FINITE``).
+A mixin of ``Engine``: it owns the failure window, the engine the state it touches."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ferryman._core import Scheduler
+from ferryman.output_processor import OutputProcessor
+from ferryman.outputs import RequestOutput
+
+MAX_STEP_FAILURES = 3  # failed steps within FAILURE_WINDOW_S that mark the engine dead
+FAILURE_WINDOW_S = 60.0
+NON_FINITE = "the model's logits for this request are not finite (NaN or inf); the request failed"
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped after an error it cannot recover from; it can no longer generate."""
+
+
+class FaultsMixin:
+    if TYPE_CHECKING:
+        scheduler: Scheduler
+        _outputs: OutputProcessor
+        _inflight: Any  # engine._InFlight | None
+        _free_ids: list[int]
+        _failures: deque[float]
+
+        def _release(self, core_id: int) -> None: ...
+
+    def _inflight_failed(self, error: Exception) -> list[RequestOutput]:
+        """The planned step raised while it ran: fails it; no step is left in flight."""
+        failed = self._inflight
+        assert failed is not None
+        self._inflight = None
+        self._free_ids.extend(failed.release)
+        return self._step_failed(failed.plan, error)
+
+    def _step_failed(self, plan: Any, error: Exception) -> list[RequestOutput]:
+        """A step (the core's only pending one) raised in its forward or sampling: fails the
+        requests it scheduled or preempted (a swap-out it planned may not have run), then
+        applies it with every sample dropped. Raises ``EngineDeadError`` when too many steps
+        failed lately."""
+        now = time.monotonic()
+        self._failures.append(now)
+        while self._failures[0] < now - FAILURE_WINDOW_S:
+            self._failures.popleft()
+        ids = [*plan.req_ids.tolist(), *plan.preempted_req_ids.tolist()]
+        outputs = self._fail(ids, f"the step running this request failed: {error!r}")
+        self.scheduler.update(np.zeros(len(plan.sample_req_ids), np.int32))  # all dropped: aborted
+        if len(self._failures) >= MAX_STEP_FAILURES:
+            raise EngineDeadError(
+                f"{len(self._failures)} steps failed within {FAILURE_WINDOW_S:.0f} s; the last: {error!r}"
+            ) from error
+        return outputs
+
+    def _fail(self, core_ids: Sequence[int], message: str) -> list[RequestOutput]:
+        """Fails these live requests (every sequence of each): their final outputs, with
+        ``error``; their blocks are freed."""
+        outputs = []
+        now = time.monotonic()
+        for core_id in dict.fromkeys(core_ids):
+            st = self._outputs.reqs.get(core_id)
+            if st is None:  # finished or aborted already
+                continue
+            outputs.append(self._outputs.failed(st, message, now))
+            self._release(core_id)
+            self.scheduler.abort_request(core_id)
+        return outputs

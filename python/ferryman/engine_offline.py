@@ -1,0 +1,81 @@
+"""The offline batch API of ``Engine`` (vLLM's ``LLM.generate`` / ``LLM.chat``): a mixin over
+``add_request`` / ``step``."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+from ferryman._core import InvalidRequestError, Scheduler
+from ferryman.outputs import RequestOutput, StepResult
+from ferryman.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class OfflineMixin:
+    if TYPE_CHECKING:
+        scheduler: Scheduler
+        tokenizer: Any
+        _inflight: Any
+        _num_added: int
+
+        def add_request(
+            self,
+            request_id: str,
+            prompt: Prompt,
+            params: SamplingParams | None = None,
+            arrival_time: float | None = None,
+        ) -> None: ...
+        def step(self) -> StepResult: ...
+        def has_unfinished_requests(self) -> bool: ...
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in input order."""
+        plist: list[Prompt]
+        if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int)):
+            plist = [cast(Prompt, prompts)]
+        else:
+            plist = list(cast(Sequence[Prompt], prompts))
+        params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(plist)
+        ids = [f"generate-{self._num_added + i}" for i in range(len(plist))]
+        for rid, p, sp in zip(ids, plist, params, strict=True):
+            sp = sp or SamplingParams()
+            self.add_request(rid, p, dataclasses.replace(sp, output_kind="final_only"))
+        final: dict[str, RequestOutput] = {}
+        bar = _progress(len(plist)) if use_tqdm else None
+        while len(final) < len(ids) and self.has_unfinished_requests():
+            for ro in self.step().outputs:
+                if ro.finished:
+                    final[ro.request_id] = ro
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        while self._inflight is not None and not self.scheduler.has_unfinished_requests():
+            self.step()  # a step planned before the last stop: only dropped samples are left
+        return [final[rid] for rid in ids]
+
+    def chat(
+        self,
+        messages: list[dict[str, str]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = False,
+    ) -> RequestOutput:
+        """Applies the model's chat template to ``messages`` and generates the reply."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("this model has no chat template")
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.generate([prompt], sampling_params, use_tqdm)[0]
+
+
+def _progress(total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req")

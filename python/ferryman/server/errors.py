@@ -1,0 +1,69 @@
+"""Errors in OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: ``ApiError``, the
+handlers that map FastAPI's own refusals (invalid JSON or fields: 400, never FastAPI's 422; a
+body it cannot decode; an unknown path) to it, and the error answers the schema publishes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
+
+from ferryman.server import protocol as api
+
+# The answers the schema publishes besides 200: errors in OpenAI's body (and no FastAPI 422: a
+# body the request models refuse gets 400).
+ERRORS: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": api.ErrorResponse, "description": "Refused: 400 invalid, 404 unknown model"},
+    "5XX": {"model": api.ErrorResponse, "description": "Failed, overloaded, draining or stopped"},
+}
+
+
+def generation(body: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    ok = {"model": body, "content": {"text/event-stream": {}}, "description": "The body, or its SSE stream"}
+    return {200: ok, **ERRORS}
+
+
+class ApiError(Exception):
+    def __init__(
+        self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None
+    ):
+        super().__init__(message)
+        self.status, self.body = (
+            status,
+            api.ErrorResponse(error=api.ErrorInfo(message=message, type=type_, param=param, code=code)),
+        )
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body.model_dump(), status_code=e.status)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, e: ApiError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, e: HTTPException) -> JSONResponse:
+        """What FastAPI answers itself (a body it cannot decode, an unknown path, a method the
+        path does not serve), in OpenAI's error body too."""
+        type_ = "invalid_request_error" if e.status_code < 500 else "server_error"
+        response = error_response(ApiError(e.status_code, str(e.detail), type_))
+        response.headers.update(e.headers or {})
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        errs = list(e.errors())
+        if any(err.get("type") == "json_invalid" for err in errs):
+            return error_response(
+                ApiError(400, "the request body is not valid JSON", "invalid_request_error")
+            )
+        fields = [".".join(str(x) for x in err.get("loc", ()) if x != "body") for err in errs]
+        msg = "; ".join(f"{f or 'body'}: {err.get('msg')}" for f, err in zip(fields, errs, strict=True))
+        param = fields[0] if fields and fields[0] else None
+        return error_response(ApiError(400, msg or "invalid request", "invalid_request_error", param))

@@ -1,0 +1,68 @@
+"""vLLM's tokenizer endpoints: ``POST /tokenize`` (a text prompt, or chat messages through the
+model's template), ``POST /detokenize``, ``GET /tokenizer_info`` (lm-eval probes it). A model
+without a tokenizer answers 400."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI
+
+from ferryman.server import protocol as api
+from ferryman.server.errors import ERRORS, ApiError
+
+
+def add_tokenizer_routes(
+    app: FastAPI,
+    tokenizer: Any,
+    vocab_size: int,
+    max_model_len: int,
+    check_model: Callable[[str | None], None],
+) -> None:
+    def need_tokenizer(model: str | None) -> Any:
+        check_model(model)
+        if tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer", "invalid_request_error")
+        return tokenizer
+
+    @app.post("/tokenize", responses=ERRORS)
+    async def tokenize(body: api.TokenizeRequest) -> api.TokenizeResponse:
+        """vLLM's: the ids of a text prompt, or of chat messages through the model's template."""
+        tok = need_tokenizer(body.model)
+        if isinstance(body, api.TokenizeChatRequest):
+            if not getattr(tok, "chat_template", None):
+                raise ApiError(400, "this model has no chat template", "invalid_request_error", "messages")
+            msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+            text = str(
+                tok.apply_chat_template(
+                    msgs, add_generation_prompt=body.add_generation_prompt, tokenize=False
+                )
+            )
+            ids = list(tok.encode(text, add_special_tokens=False))
+        else:
+            ids = list(tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return api.TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs)
+
+    @app.post("/detokenize", responses=ERRORS)
+    async def detokenize(body: api.DetokenizeRequest) -> api.DetokenizeResponse:
+        tok = need_tokenizer(body.model)
+        vocab = vocab_size
+        bad = next((t for t in body.tokens if t >= vocab), None)
+        if bad is not None:
+            raise ApiError(
+                400, f"token id {bad} out of range [0, {vocab})", "invalid_request_error", "tokens"
+            )
+        return api.DetokenizeResponse(prompt=str(tok.decode(body.tokens)))
+
+    @app.get("/tokenizer_info", responses=ERRORS)
+    async def tokenizer_info() -> dict[str, Any]:
+        """vLLM's: what a client needs to tokenize as the server does (lm-eval probes it)."""
+        tok = need_tokenizer(None)
+        info: dict[str, Any] = {"tokenizer_class": type(tok).__name__, "model_max_length": max_model_len}
+        for k in ("bos_token", "eos_token", "pad_token", "unk_token", "chat_template"):
+            v = getattr(tok, k, None)
+            if v is not None:
+                info[k] = str(v)
+        return info

@@ -1,0 +1,204 @@
+"""Per-row logit state beyond the filters: penalties (each penalized row's output-token counts
+and prompt marks), logit biases (a padded per-row table) and ``min_tokens``; and prompt
+logprobs. The tensors live on the device, allocated only once a request needs them; a row's
+state is written when a sequence takes it (from the core's tokens, so it survives preemption),
+and counts grow by each step's sampled tokens. ``SamplingTable`` (``sampling_table.py``) decides
+per step what applies (``adjust_args``, ``prompt_args``, on the host when the step is planned)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+_NONE = np.zeros(0, np.int64)
+
+
+@dataclass(slots=True)
+class Adjust:
+    """What a step changes in its logits before sampling (none of it on most steps): sample
+    indices of each kind, the rows taking penalized or biased requests with their state, and
+    the (sample, token) pairs ``min_tokens`` forbids."""
+
+    penalized: np.ndarray  # int64 samples whose requests have penalties
+    count: np.ndarray  # int64 samples whose token adds to their row's counts
+    biased: np.ndarray  # int64 samples with a logit bias
+    suppress: tuple[np.ndarray, np.ndarray] | None  # (samples, token ids) not to sample
+    penalty_rows: list[tuple[int, np.ndarray, np.ndarray]]  # (row, prompt ids, output ids)
+    bias_rows: list[tuple[int, np.ndarray, np.ndarray]]  # (row, token ids, biases)
+
+
+@dataclass(slots=True)
+class PromptArgs:
+    """The prompt positions a step computes for requests that want prompt logprobs: each entry's
+    token index in the step's inputs (whose logits predict the next prompt token), that target
+    token, the request's core id, the target's prompt position and how many top logprobs."""
+
+    at: np.ndarray  # int64
+    targets: np.ndarray  # int64
+    req_ids: np.ndarray  # int64
+    positions: np.ndarray  # int64
+    top: np.ndarray  # int64
+
+
+def prompt_logprobs(logits: torch.Tensor, a: PromptArgs) -> list[tuple[int, int, dict[int, float]]]:
+    """(core id, prompt position, {token: logprob}) from the logits of ``a.at``'s rows: the
+    target's logprob and the top N (log-softmax of the raw logits)."""
+    lp = torch.log_softmax(logits, dim=-1)
+    chosen = lp.gather(1, torch.from_numpy(a.targets).to(lp.device)[:, None])[:, 0].tolist()
+    top = int(a.top.max()) if len(a.top) else 0
+    vals, ids = lp.topk(top, dim=-1) if top else (lp[:, :0], lp[:, :0].long())
+    vals_l, ids_l = vals.tolist(), ids.tolist()
+    out = []
+    for i, (r, pos, t, n) in enumerate(
+        zip(a.req_ids.tolist(), a.positions.tolist(), a.targets.tolist(), a.top.tolist(), strict=True)
+    ):
+        d = dict(zip(ids_l[i][:n], vals_l[i][:n], strict=True))
+        d[t] = chosen[i]
+        out.append((r, pos, d))
+    return out
+
+
+def prompt_args(table: Any, out: Any) -> PromptArgs | None:
+    """The step's prompt positions whose next token's logprob is wanted."""
+    rids = out.req_ids
+    parts = []
+    for b in np.flatnonzero(table.prompt_lp[rids] >= 0).tolist():
+        r = int(rids[b])
+        qs, qe, end = int(out.qo_indptr[b]), int(out.qo_indptr[b + 1]), int(out.seq_lens[b])
+        start, prompt = end - (qe - qs), table.prompts[r]
+        pos = np.arange(start, min(end, len(prompt) - 1))  # its logits predict pos + 1
+        if len(pos):
+            parts.append(
+                (qs + pos - start, prompt[pos + 1], np.full(len(pos), r), pos + 1, table.prompt_lp[r])
+            )
+    if not parts:
+        return None
+    at, targets, req_ids, positions = (
+        np.concatenate([p[j] for p in parts]).astype(np.int64) for j in range(4)
+    )
+    top = np.concatenate([np.full(len(p[0]), p[4], np.int64) for p in parts])
+    return PromptArgs(at, targets, req_ids, positions, top)
+
+
+def adjust_args(table: Any, out: Any) -> Adjust | None:
+    """What the planned step ``out`` changes in its logits, from the table's requests."""
+    sid = out.sample_req_ids
+    penalized = np.flatnonzero(table.penalized[sid])
+    biased = np.flatnonzero([r in table.bias for r in sid.tolist()]) if table.bias else penalized[:0]
+    suppress = None
+    if table.suppress:
+        b = np.searchsorted(out.qo_indptr, out.logits_indices, side="right") - 1
+        num_out = out.seq_lens[b] - table.prompt_len[sid]  # output tokens before this sample
+        early = np.flatnonzero(num_out < table.min_tokens[sid])
+        pairs = [(s, t) for s in early.tolist() for t in table.suppress.get(int(sid[s]), _NONE).tolist()]
+        if pairs:
+            suppress = (
+                np.array([p[0] for p in pairs], np.int64),
+                np.array([p[1] for p in pairs], np.int64),
+            )
+    count = penalized[:0]
+    if len(penalized):
+        b = np.searchsorted(out.qo_indptr, out.logits_indices[penalized], side="right") - 1
+        count = penalized[out.seq_indices[b] == out.sample_seq_indices[penalized]]  # not forks yet
+    penalty_rows, bias_rows = [], []
+    for row, r, k in zip(
+        out.rows_added.tolist(), out.added_req_ids.tolist(), out.added_seq_indices.tolist(), strict=True
+    ):
+        if table.penalized[r] and table.history is not None:
+            output = table.history(r, k)[1]
+            penalty_rows.append((row, table.prompts[r], output.astype(np.int64)))
+        if r in table.bias:
+            bias_rows.append((row, *table.bias[r]))
+    if not (len(penalized) or len(biased) or suppress or penalty_rows or bias_rows):
+        return None
+    return Adjust(penalized, count, biased, suppress, penalty_rows, bias_rows)
+
+
+class LogitState:
+    """The device tensors of penalties and biases, by batch row."""
+
+    def __init__(self, device: torch.device, vocab_size: int, max_rows: int) -> None:
+        self.device, self.vocab_size, self.max_rows = device, vocab_size, max_rows
+        self.counts: torch.Tensor | None = None  # [rows, vocab] int32 output-token counts
+        self.in_prompt: torch.Tensor | None = None  # [rows, vocab] bool prompt tokens
+        self.bias_ids: torch.Tensor | None = None  # [rows, W] int64, padded with token 0
+        self.bias_vals: torch.Tensor | None = None  # [rows, W] float32, padded with 0
+
+    def write_rows(self, adj: Adjust, top: int) -> None:
+        """The rows the step gives penalized or biased requests get their state."""
+        dev, rows = self.device, max(top, self.max_rows)
+        if adj.penalty_rows:
+            self.counts = _grown(self.counts, rows, self.vocab_size, torch.int32, dev)
+            self.in_prompt = _grown(self.in_prompt, rows, self.vocab_size, torch.bool, dev)
+        for row, prompt, output in adj.penalty_rows:  # the counts of what the sequence holds now
+            assert self.counts is not None and self.in_prompt is not None
+            self.counts[row].zero_()
+            out_ids = torch.from_numpy(output).to(dev)
+            self.counts[row].index_add_(0, out_ids, torch.ones_like(out_ids, dtype=torch.int32))
+            self.in_prompt[row].zero_()
+            self.in_prompt[row, torch.from_numpy(prompt).to(dev)] = True
+        if not adj.bias_rows:
+            return
+        width = max(len(ids) for _, ids, _ in adj.bias_rows)
+        self.bias_ids = _grown(self.bias_ids, rows, width, torch.int64, dev)
+        self.bias_vals = _grown(self.bias_vals, rows, width, torch.float32, dev)
+        for row, ids, vals in adj.bias_rows:  # padded with token 0, bias 0
+            self.bias_ids[row].zero_()
+            self.bias_vals[row].zero_()
+            self.bias_ids[row, : len(ids)] = torch.from_numpy(ids).to(dev)
+            self.bias_vals[row, : len(vals)] = torch.from_numpy(vals).to(dev)
+
+    def apply(
+        self, logits: torch.Tensor, rows: np.ndarray, adj: Adjust, by_row: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """The logits with ``min_tokens``, the logit biases and the penalties applied (a copy)."""
+        lg, dev = logits.clone(), logits.device
+
+        def on(samples: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.from_numpy(samples).to(dev), torch.from_numpy(rows[samples].astype(np.int64)).to(dev)
+
+        if adj.suppress is not None:
+            lg[torch.from_numpy(adj.suppress[0]).to(dev), torch.from_numpy(adj.suppress[1]).to(dev)] = float(
+                "-inf"
+            )
+        if len(adj.biased):
+            assert self.bias_ids is not None and self.bias_vals is not None
+            idx, r = on(adj.biased)
+            lg.index_copy_(
+                0, idx, lg.index_select(0, idx).scatter_add_(1, self.bias_ids[r], self.bias_vals[r])
+            )
+        if len(adj.penalized):
+            assert self.counts is not None and self.in_prompt is not None
+            idx, r = on(adj.penalized)
+            x, cnt = lg.index_select(0, idx), self.counts[r]
+            rp = by_row["repetition_penalty"][r][:, None]
+            x = torch.where((cnt > 0) | self.in_prompt[r], torch.where(x > 0, x / rp, x * rp), x)
+            x = x - by_row["frequency_penalty"][r][:, None] * cnt
+            x = x - by_row["presence_penalty"][r][:, None] * (cnt > 0)
+            lg.index_copy_(0, idx, x)
+        return lg
+
+    def count(self, tokens: torch.Tensor, rows: np.ndarray, adj: Adjust) -> None:
+        """Adds this step's sampled tokens to their rows' counts (penalized sequences only)."""
+        if not len(adj.count) or self.counts is None:
+            return
+        dev = tokens.device
+        r = torch.from_numpy(rows[adj.count].astype(np.int64)).to(dev)
+        t = tokens[torch.from_numpy(adj.count).to(dev)].long()
+        self.counts.index_put_((r, t), torch.ones_like(t, dtype=torch.int32), accumulate=True)
+
+
+def _grown(
+    t: torch.Tensor | None, rows: int, cols: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """``t`` with at least ``rows`` x ``cols`` (zeros added; what it held kept)."""
+    if t is not None and t.shape[0] >= rows and t.shape[1] >= cols:
+        return t
+    old = (0, 0) if t is None else t.shape
+    new = torch.zeros(max(rows, old[0]), max(cols, old[1]), dtype=dtype, device=device)
+    if t is not None:
+        new[: old[0], : old[1]] = t
+    return new

@@ -1,0 +1,227 @@
+"""SamplingTable: every live request's sampling parameters, and what each step's sampling needs
+from them (``SampleArgs``, taken when the step is planned)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ferryman.worker.logit_state import Adjust, LogitState, PromptArgs, adjust_args, prompt_args
+from ferryman.worker.sampler import Filters, gather_logprobs, sample_random
+
+if TYPE_CHECKING:
+    from ferryman.sampling_params import SamplingParams
+
+ROW_COLUMNS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+History = Callable[[int, int], "tuple[np.ndarray, np.ndarray]"]  # (core id, fork) -> prompt, output ids
+
+
+@dataclass(slots=True)
+class SampleArgs:
+    """What sampling one step needs from the table, taken when the step is planned (with async
+    scheduling the previous step is applied, releasing requests, while this one runs): the
+    parameters of the rows this step takes, which samples are random and the filters they use
+    (known on the host, so sampling never asks the device), and the logprobs each sample wants."""
+
+    rows_added: np.ndarray  # int64 [A]
+    added: dict[str, np.ndarray]  # column -> [A] values
+    random: np.ndarray  # int64: the samples with temperature > 0
+    filters: Filters  # what those use
+    wanted: list[int | None] | None  # per sample: top-N logprobs, or None; None: no sample wants
+    adjust: Adjust | None = None  # penalties, biases, min_tokens: None when no sample has any
+    prompt: PromptArgs | None = None  # prompt positions whose logprobs are wanted
+
+    @property
+    def any_random(self) -> bool:
+        return len(self.random) > 0
+
+
+class SamplingTable:
+    """Every live request's sampling parameters, written once: as numpy columns indexed by its
+    core id (a small integer the engine reuses), and, when it takes a row of the persistent batch,
+    copied into per-row tensors on the device (``write_rows``), which the sampler reads by row. No
+    step builds parameter tensors from Python lists; counts let an all-greedy step skip them.
+
+    ``args(out)`` runs when a step is planned; ``write_rows`` and ``sample`` when it runs, in
+    step order."""
+
+    def __init__(
+        self, max_num_seqs: int, device: torch.device, vocab_size: int = 0, capacity: int = 64
+    ) -> None:
+        """``vocab_size``: the logits' width (penalty counts are kept per row and token)."""
+        self.temperature = np.zeros(capacity, np.float32)
+        self.top_k = np.full(capacity, -1, np.int64)
+        self.top_p = np.ones(capacity, np.float32)
+        self.min_p = np.zeros(capacity, np.float32)
+        self.seed = np.zeros(capacity, np.int64)
+        self.logprobs = np.full(capacity, -1, np.int64)
+        self.prompt_lp = np.full(capacity, -1, np.int64)
+        self.presence_penalty = np.zeros(capacity, np.float32)
+        self.frequency_penalty = np.zeros(capacity, np.float32)
+        self.repetition_penalty = np.ones(capacity, np.float32)
+        self.penalized = np.zeros(capacity, np.bool_)
+        self.min_tokens = np.zeros(capacity, np.int64)
+        self.prompt_len = np.zeros(capacity, np.int64)
+        self.num_random = 0  # live requests with temperature > 0
+        self.num_logprobs = 0  # live requests that want logprobs
+        self.num_adjusted = 0  # live requests with penalties, a logit bias or min_tokens
+        self.num_prompt_lp = 0  # live requests that want prompt logprobs
+        self.bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # core id -> token ids, biases
+        self.suppress: dict[int, np.ndarray] = {}  # core id -> ids min_tokens holds back
+        self.prompts: dict[int, np.ndarray] = {}  # core id -> prompt ids, for penalized requests
+        self.history: History | None = None  # a sequence's output so far (the engine's core)
+        self.device, self.vocab_size, self.max_rows = device, vocab_size, max_num_seqs
+        self.by_row = {
+            c: torch.zeros(max_num_seqs, dtype=_dtype(getattr(self, c)), device=device) for c in ROW_COLUMNS
+        }
+        self.logit_state = LogitState(device, vocab_size, max_num_seqs)  # penalties, biases
+
+    def set(
+        self,
+        i: int,
+        p: SamplingParams,
+        seed: int,
+        prompt: list[int] | None = None,
+        stop_ids: list[int] | None = None,
+    ) -> None:
+        """Request ``i``'s parameters (``prompt``: its ids, for the repetition penalty and
+        ``min_tokens``; ``stop_ids``: the ids ``min_tokens`` holds back, EOS included)."""
+        if i >= len(self.seed):
+            for name in (*ROW_COLUMNS, "logprobs", "prompt_lp", "penalized", "min_tokens", "prompt_len"):
+                col = getattr(self, name)
+                fill = {"repetition_penalty": 1, "logprobs": -1, "prompt_lp": -1}.get(name, 0)
+                grow = np.full(max(i + 1, 2 * len(col)) - len(col), fill)
+                setattr(self, name, np.concatenate([col, grow.astype(col.dtype)]))
+        self.temperature[i], self.top_k[i], self.top_p[i], self.min_p[i] = (
+            p.temperature,
+            p.top_k,
+            p.top_p,
+            p.min_p,
+        )
+        self.seed[i] = seed
+        self.logprobs[i] = -1 if p.logprobs is None else p.logprobs
+        self.num_random += p.temperature > 0
+        self.num_logprobs += p.logprobs is not None
+        self.presence_penalty[i], self.frequency_penalty[i] = p.presence_penalty, p.frequency_penalty
+        self.repetition_penalty[i], self.penalized[i] = p.repetition_penalty, p.penalized
+        self.min_tokens[i], self.prompt_len[i] = p.min_tokens, len(prompt or ())
+        self.prompt_lp[i] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
+        self.num_prompt_lp += p.prompt_logprobs is not None
+        if p.penalized or p.prompt_logprobs is not None:
+            self.prompts[i] = np.asarray(prompt or [], np.int64)
+        if p.logit_bias:
+            self.bias[i] = (
+                np.fromiter(p.logit_bias, np.int64),
+                np.fromiter(p.logit_bias.values(), np.float32),
+            )
+        if p.min_tokens and stop_ids:
+            self.suppress[i] = np.unique(np.asarray(stop_ids, np.int64))
+        self.num_adjusted += p.penalized or bool(p.logit_bias) or i in self.suppress
+
+    def clear(self, i: int) -> None:
+        self.num_random -= bool(self.temperature[i] > 0)
+        self.num_logprobs -= bool(self.logprobs[i] >= 0)
+        self.num_adjusted -= bool(self.penalized[i]) or i in self.bias or i in self.suppress
+        self.num_prompt_lp -= bool(self.prompt_lp[i] >= 0)
+        self.prompt_lp[i] = -1
+        self.temperature[i], self.logprobs[i], self.penalized[i] = 0.0, -1, False
+        self.bias.pop(i, None)
+        self.suppress.pop(i, None)
+        self.prompts.pop(i, None)
+
+    def args(self, out: Any) -> SampleArgs:
+        """What sampling the planned step ``out`` (a ``SchedulerOutput``) needs from the table."""
+        ids = out.added_req_ids
+        added = {c: getattr(self, c)[ids] for c in ROW_COLUMNS} if len(ids) else {}
+        wanted = None
+        if self.num_logprobs:
+            wanted = [None if n < 0 else n for n in self.logprobs[out.sample_req_ids].tolist()]
+        random, filters = np.zeros(0, np.int64), Filters(False, False, False)
+        if self.num_random:
+            sid = out.sample_req_ids
+            random = np.flatnonzero(self.temperature[sid] > 0)
+            r = sid[random]
+            filters = Filters(
+                bool((self.top_k[r] > 0).any()),
+                bool((self.top_p[r] < 1).any()),
+                bool((self.min_p[r] > 0).any()),
+            )
+        adjust = adjust_args(self, out) if self.num_adjusted else None
+        prompt = prompt_args(self, out) if self.num_prompt_lp else None
+        return SampleArgs(out.rows_added.astype(np.int64), added, random, filters, wanted, adjust, prompt)
+
+    def write_rows(self, a: SampleArgs) -> None:
+        """The rows the step takes get their requests' parameters, one copy per column."""
+        if not len(a.rows_added):
+            return
+        top = int(a.rows_added.max()) + 1
+        if top > len(self.by_row["seed"]):  # a scheduler with more rows than we were told
+            self.by_row = {
+                c: torch.cat([t, torch.zeros(top - len(t), dtype=t.dtype, device=t.device)])
+                for c, t in self.by_row.items()
+            }
+        r = torch.from_numpy(a.rows_added).to(self.device)
+        for c, t in self.by_row.items():
+            t[r] = torch.from_numpy(a.added[c]).to(self.device)
+        if a.adjust is not None:
+            self.logit_state.write_rows(a.adjust, top)
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        rows: np.ndarray,
+        seq_indices: np.ndarray,
+        positions: np.ndarray,
+        a: SampleArgs,
+    ) -> tuple[torch.Tensor, list[dict[int, float] | None] | None]:
+        """One token per row of ``logits``: sample i is of batch row ``rows[i]``, fork
+        ``seq_indices[i]``, sampling the token at ``positions[i]``; and the samples' logprobs
+        when any wants them."""
+        raw = logits  # logprobs are the model's own
+        if a.adjust is not None:
+            logits = self.logit_state.apply(logits, rows, a.adjust, self.by_row)
+        if not a.any_random and logits.device.type == "cpu":
+            # numpy's argmax: ~6x faster than torch's on CPU at [256, vocab] (no thread pool)
+            tokens = torch.from_numpy(logits.numpy().argmax(axis=-1).astype(np.int32))
+        elif not a.any_random:
+            tokens = logits.argmax(dim=-1).to(torch.int32)
+        else:  # the random samples' parameters by their rows; no device-side test of any of them
+            dev = logits.device
+            sel = a.random
+            r = torch.from_numpy(rows[sel].astype(np.int64)).to(dev)
+            p = {c: t[r] for c, t in self.by_row.items()}
+            forks = torch.from_numpy(seq_indices[sel].astype(np.int64)).to(dev)
+            idx = torch.from_numpy(sel).to(dev)
+            chosen = sample_random(
+                logits.index_select(0, idx),
+                p["temperature"],
+                p["top_k"],
+                p["top_p"],
+                p["min_p"],
+                p["seed"] + 1000003 * forks,
+                torch.from_numpy(positions[sel].astype(np.int64)).to(dev),
+                a.filters,
+            )
+            tokens = logits.argmax(dim=-1).index_copy(0, idx, chosen).to(torch.int32)
+        if a.adjust is not None:
+            self.logit_state.count(tokens, rows, a.adjust)
+        if a.wanted is None:
+            return tokens, None
+        return tokens, gather_logprobs(raw, tokens, a.wanted)
+
+
+def _dtype(col: np.ndarray) -> torch.dtype:
+    return torch.int64 if col.dtype == np.int64 else torch.float32

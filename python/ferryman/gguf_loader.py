@@ -5,10 +5,24 @@ BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, ...). llama.cpp's converter permutes the row
 projections of ``llama`` models (it interleaves each head's two rotary halves); that is undone
 here so the Hugging Face RoPE convention applies. The config, tokenizer, special tokens and chat
 template come from the file's metadata.
+
+Parsing, dequantizing and converting the tokenizer take seconds (~11 s for SmolLM2 on a 2-core
+machine), so what they produce is cached under ``$FERRYMAN_CACHE_DIR`` (default
+``~/.cache/ferryman``) ``/gguf/<sha256 of the file>``: the float32 tensors as safetensors, the
+config as JSON, the tokenizer as saved by transformers. A later load of the same bytes reads
+those (the file's hash, ~0.1 s, is the key: a changed file is converted again). A cache that
+cannot be written is skipped with a warning.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -72,11 +86,58 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int) -> ModelConfig:
     return ModelConfig.from_hf(hf)
 
 
+def cache_dir(path: Path) -> Path:
+    """Where the conversion of the GGUF file ``path`` is cached: keyed by its bytes' sha256."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    root = Path(os.environ.get("FERRYMAN_CACHE_DIR") or Path.home() / ".cache" / "ferryman")
+    return root / "gguf" / h.hexdigest()
+
+
 def load_gguf(path: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, Any]:
-    """Returns the model (eval mode) and its tokenizer (with the file's chat template)."""
-    import gguf
+    """Returns the model (eval mode) and its tokenizer (with the file's chat template), from the
+    conversion cache when it holds this file."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
 
     path = Path(path)
+    cache = cache_dir(path)
+    if (cache / "config.json").is_file():
+        cfg = ModelConfig(**json.loads((cache / "config.json").read_text()))
+        tokenizer = AutoTokenizer.from_pretrained(str(cache / "tokenizer"))
+        return LlamaForCausalLM.from_tensors(
+            cfg, load_file(cache / "model.safetensors"), dtype, device
+        ), tokenizer
+    cfg, tensors, tokenizer = convert(path)
+    _store(cache, cfg, tensors, tokenizer)
+    return LlamaForCausalLM.from_tensors(cfg, tensors, dtype, device), tokenizer
+
+
+def _store(cache: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], tokenizer: Any) -> None:
+    """Writes the conversion into ``cache`` whole or not at all (a temp folder renamed last)."""
+    from safetensors.torch import save_file
+
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=".tmp-"))
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / "model.safetensors")
+        tokenizer.save_pretrained(str(tmp / "tokenizer"))
+        (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+        try:
+            tmp.rename(cache)
+        except OSError:  # another process cached it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:
+        warnings.warn(f"ferryman: cannot cache the GGUF conversion in {cache}: {e}", stacklevel=2)
+
+
+def convert(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Any]:
+    """The file's config, its tensors (float32, Hugging Face names and RoPE layout) and its
+    tokenizer: the slow part of loading, which ``load_gguf`` caches."""
+    import gguf
+
     reader = gguf.GGUFReader(str(path))
     meta = _meta(reader)
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
@@ -90,7 +151,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype, device: torch.device) -> tup
             q, k = f"model.layers.{i}.q_proj.weight", f"model.layers.{i}.k_proj.weight"
             tensors[q] = unpermute_rows(tensors[q], cfg.num_heads)
             tensors[k] = unpermute_rows(tensors[k], cfg.num_kv_heads)
-    return LlamaForCausalLM.from_tensors(cfg, tensors, dtype, device), _tokenizer(path)
+    return cfg, tensors, _tokenizer(path)
 
 
 def read_tensors(reader: Any) -> dict[str, torch.Tensor]:

@@ -37,6 +37,24 @@ def test_generate_streamed_equals_plain(model_dir: Path) -> None:
     assert ferryman(*args, "--stream") == plain
 
 
+def test_generate_chat_applies_the_template_and_an_empty_output_is_said(model_dir: Path) -> None:
+    args = ["generate", "Hello", "--model", str(model_dir), "--max-tokens", "6", *KNOBS]
+    want = Engine(str(model_dir), block_size=4, calibrate=False).chat(
+        [{"role": "user", "content": "Hello"}], SamplingParams(temperature=0, max_tokens=6)
+    )
+    assert ferryman(*args, "--chat") == want.outputs[0].text + "\n"
+    assert ferryman(*args, "--chat", "--stream") == want.outputs[0].text + "\n"
+    first = ferryman(*args)[len("Hello")]  # a stop string at the first character: no text
+    p = subprocess.run(
+        [sys.executable, "-m", "ferryman", *args, "--stop", first],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0 and p.stdout == "Hello\n"
+    assert "empty output for 'Hello' (finish_reason stop); an instruct model may need --chat" in p.stderr
+
+
 def test_chat_keeps_the_conversation_and_reset_forgets_it(model_dir: Path) -> None:
     eng = Engine(str(model_dir), block_size=4, num_device_blocks=64, num_host_blocks=0, calibrate=False)
     params = SamplingParams(temperature=0.0, max_tokens=6)

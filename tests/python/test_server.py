@@ -142,6 +142,10 @@ def test_completions_plain_and_streamed_match_the_offline_engine(server: Server,
     assert "".join(c["text"] for e in events for c in e["choices"]) == want.outputs[0].text
     assert [c["finish_reason"] for e in events for c in e["choices"]][-1] == "length"
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 12
+    continuous = {**req, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", server.url + "/v1/completions", json=continuous) as resp:
+        so_far = [e["usage"]["completion_tokens"] for e in sse(resp.iter_lines()) if e["choices"]]
+    assert so_far == list(range(1, 13))  # vLLM's continuous_usage_stats: the usage so far, per chunk
     # a stop string spanning tokens: the stream never sends text the final result cuts
     text = want.outputs[0].text
     stop = text[4:7]

@@ -22,6 +22,12 @@ def register(sub: Any) -> None:
     add_cli_args(g.add_argument_group("engine"), EngineArgs)
     _add_sampling_args(g, 64)
     g.add_argument("--stream", action="store_true", help="print tokens as they come (one prompt at a time)")
+    g.add_argument(
+        "--chat",
+        action="store_true",
+        help="send each prompt as a user message through the model's chat template (as LLM.chat); "
+        "an instruct model given a raw prompt may end at once",
+    )
     g.set_defaults(run=run_generate)
 
     c = sub.add_parser("chat", help="interactive chat with the model's chat template")
@@ -73,16 +79,31 @@ def _engine(a: argparse.Namespace) -> Engine:
 def run_generate(a: argparse.Namespace) -> int:
     engine = _engine(a)
     params = _sampling(a)
+    prompts = list(a.prompt)
+    if a.chat:
+        tok = engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            print("--chat: this model has no chat template", file=sys.stderr)
+            return 2
+        msgs = [[{"role": "user", "content": p}] for p in prompts]
+        prompts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in msgs]
     if a.stream:
-        for prompt in a.prompt:
-            sys.stdout.write(prompt)
+        for shown, prompt in zip(a.prompt, prompts, strict=True):
+            sys.stdout.write("" if a.chat else shown)
             for delta in stream(engine, prompt, params):
                 sys.stdout.write(delta)
                 sys.stdout.flush()
             sys.stdout.write("\n")
         return 0
-    for prompt, out in zip(a.prompt, engine.generate(a.prompt, params), strict=True):
-        sys.stdout.write(prompt + out.outputs[0].text + "\n")
+    for shown, out in zip(a.prompt, engine.generate(prompts, params), strict=True):
+        o = out.outputs[0]
+        sys.stdout.write((o.text if a.chat else shown + o.text) + "\n")
+        if not o.token_ids or (o.finish_reason == "stop" and not o.text.strip()):
+            hint = "" if a.chat else "; an instruct model may need --chat"
+            print(
+                f"ferryman: empty output for {shown!r} (finish_reason {o.finish_reason}){hint}",
+                file=sys.stderr,
+            )
     return 0
 
 

@@ -167,6 +167,7 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
 
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
+            continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
             first: set[int] = set()
 
             def choice(i: int, d: Delta, u: Update) -> api.CompletionChoice:
@@ -186,7 +187,7 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
             def chunk(choices: list[Any], usage: api.Usage | None) -> api.CompletionResponse:
                 return api.CompletionResponse(id=rid, model=served_model_name, choices=choices, usage=usage)
 
-            events = responses.sse_events(streams, choice, chunk, include_usage)
+            events = responses.sse_events(streams, choice, chunk, include_usage, continuous)
             return StreamingResponse(events, media_type="text/event-stream")
 
         async def collect() -> api.CompletionResponse:
@@ -223,6 +224,7 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
         want_lp, top_n = params.logprobs is not None, params.logprobs or 0
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
+            continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
 
             started: set[int] = set()
 
@@ -240,7 +242,7 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
             def chunk(choices: list[Any], usage: api.Usage | None) -> api.ChatCompletionChunk:
                 return api.ChatCompletionChunk(id=rid, model=served_model_name, choices=choices, usage=usage)
 
-            events = responses.sse_events(streams, choice, chunk, include_usage)
+            events = responses.sse_events(streams, choice, chunk, include_usage, continuous)
             return StreamingResponse(events, media_type="text/event-stream")
 
         async def collect() -> api.ChatCompletionResponse:

@@ -31,6 +31,8 @@ class Metrics:
         self.host_usage = Gauge(p + "kv_host_usage_ratio", "fraction of host KV blocks in use", registry=r)
         self.device_free = Gauge(p + "kv_device_blocks_free", "free device KV blocks", registry=r)
         self.host_free = Gauge(p + "kv_host_blocks_free", "free host KV blocks", registry=r)
+        self.device_free.set(config.num_device_blocks)  # all free until the first step says otherwise
+        self.host_free.set(config.num_host_blocks)
         Gauge(p + "kv_device_blocks", "device KV blocks", registry=r).set(config.num_device_blocks)
         Gauge(p + "kv_host_blocks", "host KV blocks", registry=r).set(config.num_host_blocks)
         info = Gauge(p + "model_info", "the served model", ["model"], registry=r)

@@ -157,10 +157,12 @@ async def sse_events(
     choice: Callable[[int, Delta, Update], Any],
     chunk: Callable[[list[Any], api.Usage | None], Any],
     include_usage: bool,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
     """A streamed response's events: one chunk per update that has deltas (``choice`` maps the
-    prompt index and a delta to a choice), the usage chunk when asked, then ``[DONE]``; an engine
-    that dies or fails the request mid-stream ends it with an error event, then ``[DONE]``."""
+    prompt index and a delta to a choice; with ``continuous_usage`` each carries the usage so
+    far), the usage chunk when asked, then ``[DONE]``; an engine that dies or fails the request
+    mid-stream ends it with an error event, then ``[DONE]``."""
     prompt_tokens: dict[int, int] = {}
     completion_tokens = 0
     try:
@@ -168,7 +170,8 @@ async def sse_events(
             prompt_tokens[i] = u.num_prompt_tokens
             completion_tokens += sum(len(d.token_ids) for d in u.deltas)
             if u.deltas:
-                yield sse(chunk([choice(i, d, u) for d in u.deltas], None))
+                so_far = usage(sum(prompt_tokens.values()), completion_tokens) if continuous_usage else None
+                yield sse(chunk([choice(i, d, u) for d in u.deltas], so_far))
         if include_usage:
             yield sse(chunk([], usage(sum(prompt_tokens.values()), completion_tokens)))
     except EngineDeadError as e:

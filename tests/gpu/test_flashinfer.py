@@ -282,7 +282,7 @@ def test_flashinfer_masked_kv_positions_contribute_nothing_whatever_they_hold(
     }
     want = [o.outputs[0].token_ids for o in Engine(path, **kw).generate(prompts, params)]
     eng = Engine(path, **kw)
-    eng.kv.device_kv.fill_(float("nan"))
+    eng.kv.device_kv[1:].fill_(float("nan"))  # every block a request can own (0 is the null block)
     eng.kv.host_kv.fill_(float("nan"))
     outs = eng.generate(prompts, params)
     assert [o.error for o in outs] == [None] * len(prompts)

@@ -141,6 +141,13 @@ def test_bad_values_are_refused(kw: dict[str, Any], needle: str) -> None:
         SamplingParams(**kw)
 
 
+def test_min_tokens_with_stop_ids_outside_the_vocabulary(model: Path) -> None:
+    """Found by the API fuzzer: such an id made the step index past the logits and fail."""
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, min_tokens=3, stop_token_ids=[421, 5])
+    out = Engine(str(model), calibrate=False).generate([PROMPTS[0]], sp)[0]
+    assert out.error is None and len(out.outputs[0].token_ids) >= 3
+
+
 def test_a_bias_outside_the_vocabulary_is_refused(model: Path) -> None:
     eng = Engine(str(model), calibrate=False)
     with pytest.raises(InvalidRequestError, match="logit_bias: token id 96 out of range"):

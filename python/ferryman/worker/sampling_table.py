@@ -128,7 +128,9 @@ class SamplingTable:
                 np.fromiter(p.logit_bias.values(), np.float32),
             )
         if p.min_tokens and stop_ids:
-            self.suppress[i] = np.unique(np.asarray(stop_ids, np.int64))
+            ids = np.unique(np.asarray(stop_ids, np.int64))
+            # an id outside the vocabulary is never sampled: nothing to hold back (and no column)
+            self.suppress[i] = ids[ids < self.vocab_size] if self.vocab_size else ids
         self.num_adjusted += p.penalized or bool(p.logit_bias) or i in self.suppress
 
     def clear(self, i: int) -> None:

@@ -137,12 +137,11 @@ class Engine(FaultsMixin, OfflineMixin):
         self._outputs.add(core_id, RequestState(request_id, text, ids, params, RequestMetrics(arrival)))
         self._core_ids[request_id] = core_id
 
-    def _output_history(self, core_id: int, seq_index: int) -> tuple[np.ndarray, np.ndarray]:
-        """A live sequence's prompt and output ids so far (the sampler's penalties count them
-        when it takes a batch row)."""
+    def _output_history(self, core_id: int, seq_index: int) -> np.ndarray:
+        """A live sequence's output ids so far (the sampler's penalties count them when it takes
+        a batch row)."""
         out = self.scheduler.output_token_ids(core_id, seq_index)
-        prompt = np.asarray(self._outputs.reqs[core_id].prompt_token_ids, np.int64)
-        return prompt, np.zeros(0, np.int32) if out is None else out
+        return np.zeros(0, np.int32) if out is None else out
 
     def num_prompt_tokens(self, request_id: str) -> int:
         """Prompt length of a live request, in tokens."""

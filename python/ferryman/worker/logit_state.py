@@ -89,8 +89,8 @@ def adjust_args(table: Any, out: Any) -> Adjust | None:
     penalized = np.flatnonzero(table.penalized[sid])
     biased = np.flatnonzero([r in table.bias for r in sid.tolist()]) if table.bias else penalized[:0]
     suppress = None
+    b = np.searchsorted(out.qo_indptr, out.logits_indices, side="right") - 1  # each sample's row
     if table.suppress:
-        b = np.searchsorted(out.qo_indptr, out.logits_indices, side="right") - 1
         num_out = out.seq_lens[b] - table.prompt_len[sid]  # output tokens before this sample
         early = np.flatnonzero(num_out < table.min_tokens[sid])
         pairs = [(s, t) for s in early.tolist() for t in table.suppress.get(int(sid[s]), _NONE).tolist()]
@@ -100,16 +100,14 @@ def adjust_args(table: Any, out: Any) -> Adjust | None:
                 np.array([p[1] for p in pairs], np.int64),
             )
     count = penalized[:0]
-    if len(penalized):
-        b = np.searchsorted(out.qo_indptr, out.logits_indices[penalized], side="right") - 1
-        count = penalized[out.seq_indices[b] == out.sample_seq_indices[penalized]]  # not forks yet
+    if len(penalized):  # a sample counts for its row unless it is another fork's first token
+        count = penalized[out.seq_indices[b[penalized]] == out.sample_seq_indices[penalized]]
     penalty_rows, bias_rows = [], []
     for row, r, k in zip(
         out.rows_added.tolist(), out.added_req_ids.tolist(), out.added_seq_indices.tolist(), strict=True
     ):
         if table.penalized[r] and table.history is not None:
-            output = table.history(r, k)[1]
-            penalty_rows.append((row, table.prompts[r], output.astype(np.int64)))
+            penalty_rows.append((row, table.prompts[r], table.history(r, k).astype(np.int64)))
         if r in table.bias:
             bias_rows.append((row, *table.bias[r]))
     if not (len(penalized) or len(biased) or suppress or penalty_rows or bias_rows):

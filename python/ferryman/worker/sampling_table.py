@@ -26,7 +26,7 @@ ROW_COLUMNS = (
     "frequency_penalty",
     "repetition_penalty",
 )
-History = Callable[[int, int], "tuple[np.ndarray, np.ndarray]"]  # (core id, fork) -> prompt, output ids
+History = Callable[[int, int], np.ndarray]  # (core id, fork) -> its output ids so far
 
 
 @dataclass(slots=True)

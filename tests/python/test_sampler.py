@@ -72,3 +72,37 @@ def test_sample_matches_the_full_vocabulary_reference(vocab: int) -> None:
     whole = sample_random(*rows_r, every, window=False)
     assert whole.tolist() == sample_random(*rows_r, every, window=True).tolist()
     assert whole.tolist() == [want[i] for i in r.tolist()]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_sampling_table_flags_rows_whose_largest_logit_is_not_finite(temperature: float) -> None:
+    """NaN or +inf anywhere in a row, or a row all -inf, is a fault (``ok`` False); one -inf
+    among finite logits is a token of probability zero and samples normally. Greedy rows on CPU
+    take numpy's argmax, random rows torch's: both paths are checked."""
+    import numpy as np
+
+    from ferryman.sampling_params import SamplingParams
+    from ferryman.worker.sampling_table import SamplingTable
+
+    vocab, n = 16, 5
+    table = SamplingTable(n, torch.device("cpu"), vocab)
+    for i in range(n):
+        table.set(i, SamplingParams(temperature=temperature, max_tokens=4), seed=i)
+    ids = np.arange(n, dtype=np.int64)
+
+    class Plan:  # what ``args`` reads of a planned step
+        added_req_ids = sample_req_ids = ids
+        rows_added = ids
+
+    args = table.args(Plan())
+    table.write_rows(args)
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(0))
+    logits[1, 3] = float("nan")
+    logits[2, 7] = float("inf")
+    logits[3, :] = float("-inf")
+    logits[4, 5] = float("-inf")
+    tokens, ok, _ = table.sample(logits, ids, np.zeros(n, np.int64), np.full(n, 9, np.int64), args)
+    assert ok.tolist() == [True, False, False, False, True]
+    assert int(tokens[4]) != 5 and 0 <= int(tokens[0]) < vocab
+    if temperature == 0.0:
+        assert tokens[[0, 4]].tolist() == logits[[0, 4]].argmax(dim=-1).tolist()

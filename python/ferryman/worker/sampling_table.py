@@ -188,41 +188,49 @@ class SamplingTable:
         seq_indices: np.ndarray,
         positions: np.ndarray,
         a: SampleArgs,
-    ) -> tuple[torch.Tensor, list[dict[int, float] | None] | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, list[dict[int, float] | None] | None]:
         """One token per row of ``logits``: sample i is of batch row ``rows[i]``, fork
-        ``seq_indices[i]``, sampling the token at ``positions[i]``; and the samples' logprobs
-        when any wants them."""
+        ``seq_indices[i]``, sampling the token at ``positions[i]``; whether each row's largest
+        logit is finite (False: NaN or +inf in the row, or all of it -inf; read off the argmax
+        that greedy sampling takes anyway, so the check costs no pass of its own); and the
+        samples' logprobs when any wants them."""
         raw = logits  # logprobs are the model's own
         if a.adjust is not None:
             logits = self.logit_state.apply(logits, rows, a.adjust, self.by_row)
         if not a.any_random and logits.device.type == "cpu":
             # numpy's argmax: ~6x faster than torch's on CPU at [256, vocab] (no thread pool)
-            tokens = torch.from_numpy(logits.numpy().argmax(axis=-1).astype(np.int32))
-        elif not a.any_random:
-            tokens = logits.argmax(dim=-1).to(torch.int32)
-        else:  # the random samples' parameters by their rows; no device-side test of any of them
-            dev = logits.device
-            sel = a.random
-            r = torch.from_numpy(rows[sel].astype(np.int64)).to(dev)
-            p = {c: t[r] for c, t in self.by_row.items()}
-            forks = torch.from_numpy(seq_indices[sel].astype(np.int64)).to(dev)
-            idx = torch.from_numpy(sel).to(dev)
-            chosen = sample_random(
-                logits.index_select(0, idx),
-                p["temperature"],
-                p["top_k"],
-                p["top_p"],
-                p["min_p"],
-                p["seed"] + 1000003 * forks,
-                torch.from_numpy(positions[sel].astype(np.int64)).to(dev),
-                a.filters,
-            )
-            tokens = logits.argmax(dim=-1).index_copy(0, idx, chosen).to(torch.int32)
+            arr = logits.numpy()
+            best = arr.argmax(axis=-1)  # NaN, then +inf, wins a row's argmax
+            ok = torch.from_numpy(np.isfinite(arr[np.arange(len(best)), best]))
+            tokens = torch.from_numpy(best.astype(np.int32))
+        else:
+            best_t = logits.argmax(dim=-1)
+            ok = torch.isfinite(logits.gather(1, best_t[:, None])[:, 0])
+            if not a.any_random:
+                tokens = best_t.to(torch.int32)
+            else:  # the random samples' parameters by their rows; no device-side test of any
+                dev = logits.device
+                sel = a.random
+                r = torch.from_numpy(rows[sel].astype(np.int64)).to(dev)
+                p = {c: t[r] for c, t in self.by_row.items()}
+                forks = torch.from_numpy(seq_indices[sel].astype(np.int64)).to(dev)
+                idx = torch.from_numpy(sel).to(dev)
+                chosen = sample_random(
+                    logits.index_select(0, idx),
+                    p["temperature"],
+                    p["top_k"],
+                    p["top_p"],
+                    p["min_p"],
+                    p["seed"] + 1000003 * forks,
+                    torch.from_numpy(positions[sel].astype(np.int64)).to(dev),
+                    a.filters,
+                )
+                tokens = best_t.index_copy(0, idx, chosen).to(torch.int32)
         if a.adjust is not None:
             self.logit_state.count(tokens, rows, a.adjust)
         if a.wanted is None:
-            return tokens, None
-        return tokens, gather_logprobs(raw, tokens, a.wanted)
+            return tokens, ok, None
+        return tokens, ok, gather_logprobs(raw, tokens, a.wanted)
 
 
 def _dtype(col: np.ndarray) -> torch.dtype:

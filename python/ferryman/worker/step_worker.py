@@ -5,10 +5,10 @@ flight names one of them (``SchedulerOutput.inflight_*``), and the runner fills 
 ``overlap`` on CUDA the sampled ids come back through a pinned buffer and an event instead of a
 blocking copy, so the caller can apply the previous step while the device runs this one.
 
-A sample row whose logits are not all finite (the model's raw logits, before any filter) comes
-back as -1: the engine fails that request alone. The ids kept on the device for the next step's
-inputs hold 0 there instead (always a valid embedding row; the request is aborted before any step
-applies them).
+A sample row whose largest logit is not finite (NaN or +inf in the row, or all of it -inf; the
+sampler reads this off the argmax it takes anyway) comes back as -1: the engine fails that request
+alone. The ids kept on the device for the next step's inputs hold 0 there instead (always a valid
+embedding row; the request is aborted before any step applies them).
 
 ``faults`` (test-only, ``FERRYMAN_TEST_FAULT_STEPS``): core step numbers at which ``run`` raises
 ``InjectedFault`` before the forward, so tests can make a step fail.
@@ -99,18 +99,19 @@ class StepWorker:
             logits = logits[:num_samples]
         if not len(plan.sample_req_ids):
             return Sampled(np.zeros(0, np.int32), None, prompt_logprobs=prompt_lps)
-        # one reduction per row: NaN or +-inf anywhere in a row makes its sum non-finite
-        finite = torch.isfinite(logits.sum(dim=-1))
         b = np.searchsorted(plan.qo_indptr, plan.logits_indices, side="right") - 1
-        tokens, lps = self.sampling.sample(
+        tokens, ok, lps = self.sampling.sample(
             logits,
             plan.rows[b],
             plan.sample_seq_indices,
             plan.seq_lens[b],
             args,
         )
-        self._prev = torch.where(finite, tokens, 0)
-        tokens = torch.where(finite, tokens, -1)
+        if tokens.device.type == "cpu" and bool(ok.all()):  # the common case, no copies
+            self._prev = tokens
+        else:  # on CUDA never asked (that would wait for the device)
+            self._prev = torch.where(ok, tokens, 0)
+            tokens = torch.where(ok, tokens, -1)
         if tokens.device.type != "cuda" or not self.overlap:
             return Sampled(tokens.cpu().numpy(), lps, prompt_logprobs=prompt_lps)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)

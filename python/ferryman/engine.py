@@ -53,6 +53,7 @@ class Engine(FaultsMixin, OfflineMixin):
         self.model, self.tokenizer, self.max_model_len = parts.model, parts.tokenizer, parts.max_model_len
         self.kv, self.runner, self.scheduler = parts.kv, parts.runner, parts.scheduler
         self.calibration, self.calibration_s = parts.calibration, parts.calibration_s
+        self.generation_defaults = parts.generation_defaults
         mc = self.model.cfg
         self.eos_token_ids = list(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

@@ -1,5 +1,6 @@
 """The offline batch API of ``Engine`` (vLLM's ``LLM.generate`` / ``LLM.chat``): a mixin over
-``add_request`` / ``step``."""
+``add_request`` / ``step``, and the model's default ``SamplingParams`` they use when given none
+(vLLM's ``LLM.get_default_sampling_params``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ class OfflineMixin:
     if TYPE_CHECKING:
         scheduler: Scheduler
         tokenizer: Any
+        generation_defaults: dict[str, Any]
         _inflight: Any
         _num_added: int
 
@@ -31,6 +33,11 @@ class OfflineMixin:
         def step(self) -> StepResult: ...
         def has_unfinished_requests(self) -> bool: ...
 
+    def default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the model's ``generation_config.json`` values over ferryman's
+        defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens)."""
+        return SamplingParams(**self.generation_defaults)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -43,10 +50,11 @@ class OfflineMixin:
             plist = [cast(Prompt, prompts)]
         else:
             plist = list(cast(Sequence[Prompt], prompts))
+        if sampling_params is None:
+            sampling_params = self.default_sampling_params()
         params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(plist)
         ids = [f"generate-{self._num_added + i}" for i in range(len(plist))]
         for rid, p, sp in zip(ids, plist, params, strict=True):
-            sp = sp or SamplingParams()
             self.add_request(rid, p, dataclasses.replace(sp, output_kind="final_only"))
         final: dict[str, RequestOutput] = {}
         bar = _progress(len(plist)) if use_tqdm else None

@@ -1,7 +1,9 @@
 """Building an engine's parts from ``EngineArgs``: the device and dtype, the model and tokenizer,
-the KV pools (sized by profiling on CUDA, by ``kv_cache_memory`` on CPU, host pool by
-``swap_space``), the model runner, start-up calibration of the cost model, and the Rust
-``Scheduler`` configured with all of it. ``Engine`` owns the parts; this module only makes them.
+its context length (checked against the model: ``model_loader.check_context``) and the sampling
+defaults of its ``generation_config.json``, the KV pools (sized by profiling on CUDA, by
+``kv_cache_memory`` on CPU, host pool by ``swap_space``), the model runner, start-up calibration
+of the cost model, and the Rust ``Scheduler`` configured with all of it. ``Engine`` owns the
+parts; this module only makes them.
 
 Invariant: the scheduler's pool sizes, block size and ``bytes_per_block`` are those of the
 ``KvCache`` built here, so every block id the core hands out indexes a real KV block.
@@ -10,14 +12,14 @@ Invariant: the scheduler's pool sizes, block size and ``bytes_per_block`` are th
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ferryman._core import Scheduler
 from ferryman.engine_args import EngineArgs
-from ferryman.model_loader import load_model
+from ferryman.model_loader import check_context, generation_defaults, load_model, resolve_model_path
 from ferryman.models.llama import LlamaForCausalLM
 from ferryman.worker.calibrate import host_link_bytes_per_s, prefill_tokens_per_s, profile_kv_blocks
 from ferryman.worker.kv_cache import KvCache
@@ -36,6 +38,8 @@ class EngineParts:
     scheduler: Scheduler
     calibration: dict[str, float]  # what start-up measured for the cost model
     calibration_s: float
+    # SamplingParams fields from the model's generation_config.json (vLLM's generation_config="auto")
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -53,10 +57,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def build_parts(args: EngineArgs) -> EngineParts:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    model, tokenizer = load_model(args.model, dtype, device)
+    path = resolve_model_path(args.model)
+    model, tokenizer = load_model(path, dtype, device)
     mc, block_size = model.cfg, args.block_size
     bpb = KvCache.bytes_per_block(mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, dtype)
-    max_model_len = args.max_model_len or mc.max_position_embeddings
+    max_model_len = check_context(mc, args.max_model_len)
     budget = args.token_budget(device.type, max_model_len)
     num_device_blocks = args.num_device_blocks
     if num_device_blocks is None and device.type == "cuda":
@@ -108,7 +113,17 @@ def build_parts(args: EngineArgs) -> EngineParts:
         )
     )
     return EngineParts(
-        device, dtype, model, tokenizer, max_model_len, kv, runner, scheduler, calibration, calibration_s
+        device,
+        dtype,
+        model,
+        tokenizer,
+        max_model_len,
+        kv,
+        runner,
+        scheduler,
+        calibration,
+        calibration_s,
+        generation_defaults(path) if path.is_dir() else {},
     )
 
 

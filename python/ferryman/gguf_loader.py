@@ -6,11 +6,19 @@ projections of ``llama`` models (it interleaves each head's two rotary halves); 
 here so the Hugging Face RoPE convention applies. The config, tokenizer, special tokens and chat
 template come from the file's metadata.
 
+RoPE scaling, as llama.cpp applies it: a ``rope_freqs`` tensor (how llama.cpp stores Llama 3.1's
+``llama3`` scaling) divides the inverse frequencies; ``{arch}.rope.scaling.type`` ``linear`` and
+``yarn`` (with ``factor``, ``original_context_length``, ``yarn_beta_fast`` / ``yarn_beta_slow``, and
+``yarn_attn_factor`` or ``attn_factor``, which llama.cpp multiplies YaRN's default cos/sin scale
+by) become the matching ``rope_scaling``; other types are refused. (transformers' own GGUF loader
+ignores both for these architectures, so it runs a Llama 3.1 GGUF with unscaled RoPE.)
+
 Parsing, dequantizing and converting the tokenizer take seconds (~11 s for SmolLM2 on a 2-core
 machine), so what they produce is cached under ``$FERRYMAN_CACHE_DIR`` (default
 ``~/.cache/ferryman``) ``/gguf/<sha256 of the file>``: the float32 tensors as safetensors, the
 config as JSON, the tokenizer as saved by transformers. A later load of the same bytes reads
-those (the file's hash, ~0.1 s, is the key: a changed file is converted again). A cache that
+those (the file's hash, ~0.1 s, is the key, salted with ``CONVERSION_VERSION``: a changed file,
+or a conversion that changed, is converted again). A cache that
 cannot be written is skipped with a warning.
 """
 
@@ -29,7 +37,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ferryman.models.llama import LlamaForCausalLM, ModelConfig
+from ferryman.models.config import ModelConfig
+from ferryman.models.llama import LlamaForCausalLM
+from ferryman.models.rope import yarn_attention_factor
+
+CONVERSION_VERSION = b"ferryman-gguf-2"  # bump when what ``convert`` produces changes
 
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _LAYER = {
@@ -82,13 +94,47 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int) -> ModelConfig:
         "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         "max_position_embeddings": int(meta.get(f"{arch}.context_length", 4096)),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "rope_scaling": rope_scaling_from_gguf(meta, arch),
     }
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if window:
+        hf.update(sliding_window=int(window), use_sliding_window=True, max_window_layers=0)
     return ModelConfig.from_hf(hf)
+
+
+def rope_scaling_from_gguf(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
+    """The Hugging Face ``rope_scaling`` of a file's ``{arch}.rope.scaling.*`` keys (or the older
+    ``{arch}.rope.scale_linear``); None for unscaled RoPE."""
+    key = f"{arch}.rope.scaling."
+    kind = meta.get(key + "type", "none")
+    factor = meta.get(key + "factor", meta.get(f"{arch}.rope.scale_linear"))
+    if kind == "none" and factor is not None and float(factor) != 1.0:
+        kind = "linear"  # an old file: only rope.scale_linear
+    if kind == "none":
+        return None
+    if factor is None:
+        raise ValueError(f"rope scaling {kind!r} without {key}factor")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind != "yarn":
+        raise ValueError(f"GGUF rope scaling type {kind!r} is not supported (none, linear, yarn are)")
+    s: dict[str, Any] = {
+        "rope_type": "yarn",
+        "factor": float(factor),
+        "original_max_position_embeddings": int(meta[key + "original_context_length"]),
+    }
+    for ours, theirs in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+        if meta.get(key + theirs) is not None:
+            s[ours] = float(meta[key + theirs])
+    attn = meta.get(key + "yarn_attn_factor", meta.get(key + "attn_factor"))
+    if attn is not None:
+        s["attention_factor"] = float(attn) * yarn_attention_factor({}, s["factor"])
+    return s
 
 
 def cache_dir(path: Path) -> Path:
     """Where the conversion of the GGUF file ``path`` is cached: keyed by its bytes' sha256."""
-    h = hashlib.sha256()
+    h = hashlib.sha256(CONVERSION_VERSION)
     with open(path, "rb") as f:
         while block := f.read(1 << 24):
             h.update(block)
@@ -144,6 +190,9 @@ def convert(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Any]:
     cfg = config_from_gguf(meta, vocab)
     permuted = meta["general.architecture"] == "llama"
     tensors = read_tensors(reader)
+    factors = tensors.pop("rope_freqs.weight", None)
+    if factors is not None:
+        cfg.rope_freq_factors = [float(f) for f in factors.flatten().tolist()]
     if "lm_head.weight" not in tensors:
         cfg.tie_word_embeddings = True
     if permuted:

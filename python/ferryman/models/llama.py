@@ -1,6 +1,7 @@
-"""The Llama family in one implementation: RMSNorm, RoPE (default, linear, llama3 scaling),
+"""The Llama family in one implementation: RMSNorm, RoPE (its scalings in ``models.rope``),
 SwiGLU, grouped-query attention, optional q/k bias (Qwen2) and q/k RMSNorm (Qwen3), tied
-embeddings (SmolLM2).
+embeddings (SmolLM2). Sliding-window attention is not implemented: ``ModelConfig.sliding_window``
+records a window that some layer uses, and the loader refuses it where it would matter.
 
 The model runs on a flat batch of tokens ``[T]`` (every request's scheduled tokens back to back)
 and leaves attention over the paged KV cache to an ``AttentionBackend``; it never sees requests.
@@ -13,23 +14,14 @@ memory bandwidth, the packed kernels at about twice that (``benchmarks/cpu_linea
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ferryman.attention.base import AttentionBackend
-
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-}
-
+from ferryman.models.config import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCHITECTURES
+from ferryman.models.config import ModelConfig as ModelConfig
+from ferryman.models.rope import rope_parameters
 
 PACK_ROWS_HINT = 16  # oneDNN picks the packed layout for this many rows; measured best for 1..2048
 
@@ -62,63 +54,6 @@ class Linear(nn.Linear):
         return _packed_linear(x, self.packed, self.bias)
 
 
-@dataclass(slots=True)
-class ModelConfig:
-    """The fields of a Hugging Face ``config.json`` this implementation uses."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    qk_norm: bool
-    eos_token_ids: list[int]
-
-    @classmethod
-    def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
-        archs = d.get("architectures") or ["LlamaForCausalLM"]
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {arch!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-            )
-        heads = int(d["num_attention_heads"])
-        rope = dict(d.get("rope_parameters") or {})  # transformers 5 style
-        scaling = d.get("rope_scaling") or None
-        if scaling is None and rope.get("rope_type", "default") != "default":
-            scaling = rope
-        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
-        eos = d.get("eos_token_id")
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        return cls(
-            architecture=arch,
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=int(d["hidden_size"]),
-            intermediate_size=int(d["intermediate_size"]),
-            num_layers=int(d["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            rope_scaling=scaling,
-            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            eos_token_ids=eos_ids,
-        )
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -132,26 +67,15 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies, with the scaling types Llama-family configs use."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    s = cfg.rope_scaling
-    kind = (s or {}).get("rope_type", (s or {}).get("type", "default"))
-    if s is None or kind == "default":
-        return inv.float()
-    if kind == "linear":
-        return (inv / float(s["factor"])).float()
-    if kind == "llama3":
-        factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
-        old_len = float(s["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
-        smooth = (old_len / wavelen - low) / (high - low)
-        mid = (1 - smooth) * scaled / factor + smooth * scaled
-        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(is_mid, mid, scaled).float()
-    raise NotImplementedError(f"rope scaling type {kind!r} is not supported")
+    """float32 inverse RoPE frequencies of ``cfg`` (``models.rope`` computes every scaling)."""
+    return rope_for(cfg)[0]
+
+
+def rope_for(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse RoPE frequencies and the cos/sin scale (YaRN's attention factor, else 1)."""
+    return rope_parameters(
+        cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, cfg.rope_freq_factors
+    )
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -224,7 +148,8 @@ class LlamaForCausalLM(nn.Module):
             None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
         self._tied_head_packed: torch.Tensor | None = None
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        inv_freq, self.rope_scale = rope_for(cfg)  # rope_scale: YaRN's cos/sin factor, else 1
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     @classmethod
     def from_tensors(
@@ -246,8 +171,10 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos()[:, None, :].to(x.dtype)
-        sin = emb.sin()[:, None, :].to(x.dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.rope_scale != 1.0:
+            cos, sin = cos * self.rope_scale, sin * self.rope_scale
+        cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, attn)
         out: torch.Tensor = self.norm(x)

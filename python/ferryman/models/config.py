@@ -1,0 +1,98 @@
+"""What ferryman reads from a Hugging Face ``config.json`` (``ModelConfig``): the shapes of the
+Llama family, RoPE settings (checked against what ``models.rope`` computes) and the
+sliding-window size a config would need, which the loader weighs against ``max_model_len``.
+A GGUF file's metadata is turned into the same fields (``gguf_loader``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ferryman.models.rope import check_rope_scaling
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+}
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The fields of a Hugging Face ``config.json`` this implementation uses."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    eos_token_ids: list[int]
+    rope_freq_factors: list[float] | None = None  # llama.cpp's rope_freqs (GGUF): divide inv_freq
+    sliding_window: int | None = None  # the attention window of some layer, None when all are full
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
+        archs = d.get("architectures") or ["LlamaForCausalLM"]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        heads = int(d["num_attention_heads"])
+        rope = dict(d.get("rope_parameters") or {})  # transformers 5 style
+        scaling = d.get("rope_scaling") or None
+        if scaling is None and rope.get("rope_type", "default") != "default":
+            scaling = rope
+        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        check_rope_scaling(scaling)
+        eos = d.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            architecture=arch,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            eos_token_ids=eos_ids,
+            sliding_window=_sliding_window(d, arch),
+        )
+
+
+def _sliding_window(d: dict[str, Any], arch: str) -> int | None:
+    """The window of a config whose layers (some of them) use sliding-window attention: Mistral's
+    ``sliding_window``; Qwen2/3's only with ``use_sliding_window`` and layers from
+    ``max_window_layers`` on (or ``layer_types`` naming one), as transformers decides."""
+    window = d.get("sliding_window")
+    if window is None:
+        return None
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if not d.get("use_sliding_window", False):
+            return None
+        types = d.get("layer_types")
+        if types is not None:
+            return int(window) if "sliding_attention" in types else None
+        layers = int(d["num_hidden_layers"])
+        return int(window) if int(d.get("max_window_layers", layers)) < layers else None
+    return int(window)

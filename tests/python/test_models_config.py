@@ -1,0 +1,285 @@
+"""What a model's files say beyond its weights, checked against transformers on tiny random
+checkpoints: RoPE scaling from ``config.json`` (linear, dynamic, llama3, YaRN) and from a GGUF
+(llama.cpp's ``rope_freqs`` tensor, ``rope.scaling.*`` keys) at positions past the original
+context; sliding windows and a ``max_model_len`` past the model's context refused;
+``generation_config.json`` as the default sampling; a Hugging Face Hub id read from the hub cache."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tiny_models import build, dense_causal
+
+from ferryman.engine import Engine
+from ferryman.model_loader import ModelLoadError, load_model
+from ferryman.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+class _DenseCausal:
+    """One sequence's plain causal attention, the oracle for a bare forward."""
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return dense_causal(q, k, v)
+
+
+def ours(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, torch.arange(len(ids)), _DenseCausal()))  # type: ignore[no-any-return]
+
+
+def theirs(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    import transformers as tf
+
+    hf = tf.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return hf(ids[None]).logits[0].float()  # type: ignore[no-any-return]
+
+
+def long_ids(vocab: int, n: int = 240) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(1))
+
+
+SCALINGS = [
+    ("llama", LLAMA3),
+    ("llama", {"rope_type": "linear", "factor": 4.0}),
+    ("llama", {"rope_type": "dynamic", "factor": 4.0}),
+    ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    (
+        "llama",
+        {
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 32,
+            "beta_fast": 16.0,
+            "beta_slow": 2.0,
+            "attention_factor": 1.3,
+        },
+    ),
+    (
+        "qwen3",
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "truncate": False},
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("kind", "scaling"), SCALINGS, ids=lambda v: v if isinstance(v, str) else v["rope_type"]
+)
+def test_rope_scaling_matches_transformers_past_the_original_context(
+    tmp_path: Path, kind: str, scaling: dict[str, Any]
+) -> None:
+    """Logits of 240 tokens (the tiny models' original context is 32 or 64; dynamic NTK rescales
+    only past max_position_embeddings=256, the longest context accepted) equal transformers'; the
+    same weights with plain RoPE differ, so the scaling is what is compared."""
+    path = build(kind, tmp_path, rope_scaling=dict(scaling))  # type: ignore[arg-type]
+    model, _ = load_model(path, torch.float32, CPU)
+    ids = long_ids(model.cfg.vocab_size)
+    want, got = theirs(path, ids), ours(model, ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    if scaling["rope_type"] != "dynamic":
+        plain = json.loads((path / "config.json").read_text())
+        plain["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+        (path / "config.json").write_text(json.dumps(plain))
+        unscaled, _ = load_model(path, torch.float32, CPU)
+        assert (ours(unscaled, ids) - want).abs().max() > 1e-2
+
+
+def test_an_unsupported_rope_scaling_is_refused_by_name(tmp_path: Path) -> None:
+    path = build("llama", tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "longrope", "factor": 4.0}
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="rope_scaling type 'longrope' is not supported"):
+        load_model(path, torch.float32, CPU)
+
+
+GGUF_TOP_LEVEL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+
+
+def write_llama_gguf(hf_path: Path, out: Path, scaling: dict[str, Any] | None = None) -> None:
+    """The tiny HF Llama as an F32 GGUF the way llama.cpp's converter writes one: q/k rows
+    permuted, and a Llama 3.1 scaling as per-frequency divisors in ``rope_freqs.weight``
+    (``scaling``: other scalings as ``rope.scaling.*`` keys instead)."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+    from test_gguf import llama_cpp_permute
+
+    cfg = json.loads((hf_path / "config.json").read_text())
+    heads, kv_heads, hidden = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
+    head_dim, rope = hidden // heads, cfg["rope_parameters"]
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(hidden)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_token_list([f"t{i}" for i in range(cfg["vocab_size"])])
+    for key, value in (scaling or {}).items():
+        w.add_key_value(f"llama.rope.scaling.{key}", value, _gguf_type(value))
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v"}
+    names |= {"self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up"}
+    names |= {"mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm"}
+    names["post_attention_layernorm"] = "ffn_norm"
+    for name, t in load_file(str(hf_path / "model.safetensors")).items():
+        if name.startswith("model.layers."):
+            _, _, i, *rest = name.split(".")
+            part = ".".join(rest[:-1])
+            if part in ("self_attn.q_proj", "self_attn.k_proj"):
+                t = llama_cpp_permute(t, heads if part.endswith("q_proj") else kv_heads)
+            gname = f"blk.{i}.{names[part]}.{rest[-1]}"
+        else:
+            gname = GGUF_TOP_LEVEL.get(name, "output.weight")
+        w.add_tensor(gname, t.float().numpy())
+    if rope.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", np.array(llama_cpp_rope_factors(rope, head_dim), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _gguf_type(value: Any) -> Any:
+    from gguf import GGUFValueType as V
+
+    return V.STRING if isinstance(value, str) else V.UINT32 if isinstance(value, int) else V.FLOAT32
+
+
+def llama_cpp_rope_factors(rope: dict[str, Any], head_dim: int) -> list[float]:
+    """What llama.cpp's converter stores for a ``llama3`` scaling: per frequency, the number its
+    frequency is divided by (1 for short wavelengths, ``factor`` for long ones, a blend between)."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * rope["rope_theta"] ** (i / head_dim)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        LLAMA3,
+        {"rope_type": "linear", "factor": 2.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 16.0},
+    ],
+    ids=lambda s: s["rope_type"],
+)
+def test_gguf_rope_scaling_matches_transformers_on_the_source_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scaling: dict[str, Any]
+) -> None:
+    """A Llama 3.1-style GGUF (``rope_freqs``) and GGUFs with ``rope.scaling.*`` keys load with
+    the source model's RoPE: logits and an engine's greedy tokens as transformers' on the HF
+    checkpoint the GGUF was written from."""
+    from ferryman import gguf_loader
+
+    monkeypatch.setenv("FERRYMAN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_loader, "_tokenizer", lambda _path: None)
+    monkeypatch.setattr(gguf_loader, "_store", lambda *_: None)
+    path = build("llama", tmp_path, rope_scaling=dict(scaling))  # type: ignore[arg-type]
+    keys = None
+    if scaling["rope_type"] == "linear":
+        keys = {"type": "linear", "factor": 2.0}
+    elif scaling["rope_type"] == "yarn":
+        keys = {"type": "yarn", "factor": 4.0, "original_context_length": 32, "yarn_beta_fast": 16.0}
+    write_llama_gguf(path, tmp_path / "m.gguf", keys)
+    model, _ = load_model(tmp_path / "m.gguf", torch.float32, CPU)
+    assert (model.cfg.rope_freq_factors is not None) == (scaling["rope_type"] == "llama3")
+    ids = long_ids(model.cfg.vocab_size)
+    torch.testing.assert_close(ours(model, ids), theirs(path, ids), rtol=1e-4, atol=1e-4)
+    prompt = ids[:200].tolist()
+    eng = Engine(str(tmp_path / "m.gguf"), num_device_blocks=64, calibrate=False)
+    got = eng.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    direct = Engine(str(path), num_device_blocks=64, calibrate=False)
+    assert got == direct.generate([prompt], GREEDY)[0].outputs[0].token_ids
+
+
+def test_a_sliding_window_shorter_than_the_context_is_refused(tmp_path: Path) -> None:
+    """Mistral's ``sliding_window`` and Qwen2's ``use_sliding_window`` are refused naming the
+    field unless max_model_len fits in the window; a window no layer uses is no window."""
+    mistral = build("llama", tmp_path)
+    cfg = json.loads((mistral / "config.json").read_text())
+    cfg |= {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 64}
+    (mistral / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"sliding_window=64.*max_model_len must be <= 64 \(it is 256\)"):
+        Engine(str(mistral), num_device_blocks=16, calibrate=False)
+    assert Engine(str(mistral), num_device_blocks=16, max_model_len=64, calibrate=False).max_model_len == 64
+    qwen = build("qwen2", tmp_path, use_sliding_window=True, sliding_window=128, max_window_layers=1)  # type: ignore[arg-type]
+    with pytest.raises(ModelLoadError, match="use_sliding_window with sliding_window=128"):
+        Engine(str(qwen), num_device_blocks=16, max_model_len=200, calibrate=False)
+    Engine(str(qwen), num_device_blocks=16, max_model_len=128, calibrate=False)
+    unused = build("qwen3", tmp_path, use_sliding_window=False, sliding_window=64)  # type: ignore[arg-type]
+    assert Engine(str(unused), num_device_blocks=16, calibrate=False).max_model_len == 256
+
+
+def test_max_model_len_past_the_models_context_is_refused(tmp_path: Path) -> None:
+    path = build("llama", tmp_path, rope_scaling=dict(LLAMA3))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"max_model_len \(257\).*max_position_embeddings=256"):
+        Engine(str(path), num_device_blocks=16, max_model_len=257, calibrate=False)
+    assert Engine(str(path), num_device_blocks=16, max_model_len=256, calibrate=False).max_model_len == 256
+
+
+def test_generation_config_gives_the_default_sampling_params(tmp_path: Path) -> None:
+    path = build("llama", tmp_path)
+    plain = Engine(str(path), num_device_blocks=32, calibrate=False)
+    assert plain.default_sampling_params() == SamplingParams()  # transformers' own file sets none
+    given = {"temperature": 0.0, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1}
+    (path / "generation_config.json").write_text(
+        json.dumps({**given, "max_new_tokens": 5, "do_sample": True})
+    )
+    eng = Engine(str(path), num_device_blocks=32, calibrate=False)
+    assert eng.generation_defaults == {**given, "max_tokens": 5}
+    assert eng.default_sampling_params() == SamplingParams(**given, max_tokens=5)
+    prompts = [[1, 2, 3, 4], [9, 8, 7]]
+    got = [o.outputs[0].token_ids for o in eng.generate(prompts)]
+    assert [len(g) for g in got] == [5, 5]
+    want = eng.generate(prompts, SamplingParams(**given, max_tokens=5))
+    assert got == [o.outputs[0].token_ids for o in want]
+
+
+def test_a_hub_id_loads_from_the_hub_cache_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``org/name`` resolves through huggingface_hub's cache layout with HF_HUB_OFFLINE=1 and
+    generates what the folder itself does; an id neither cached nor downloadable is refused."""
+    folder = build("llama", tmp_path, tokenizer=True)
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--tiny-org--tiny-llama"
+    shutil.copytree(folder, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)  # no relative path tiny-org/... exists here
+    hub = Engine("tiny-org/tiny-llama", num_device_blocks=32, calibrate=False)
+    local = Engine(str(folder), num_device_blocks=32, calibrate=False)
+    prompts = ["hello there", "abc"]
+    got = [o.outputs[0] for o in hub.generate(prompts, GREEDY)]
+    want = [o.outputs[0] for o in local.generate(prompts, GREEDY)]
+    assert [(o.token_ids, o.text) for o in got] == [(o.token_ids, o.text) for o in want]
+    with pytest.raises(ModelLoadError, match=r"tiny-org/missing.*not in the hub cache.*HF_HUB_OFFLINE"):
+        Engine("tiny-org/missing", num_device_blocks=32, calibrate=False)

@@ -100,6 +100,10 @@ pub struct PySchedulerOutput {
     blocks_to_copy: Pairs,
     preempted_req_ids: Array<i64>,
     finished_req_ids: Array<i64>,
+    grammar_sample_indices: Array<i32>,
+    grammar_masks: Array<u32>,
+    #[pyo3(get)]
+    grammar_mask_words: usize,
     #[pyo3(get)]
     step: u64,
     #[pyo3(get)]
@@ -153,6 +157,9 @@ impl PySchedulerOutput {
             blocks_to_copy: Lazy::Rust(o.blocks_to_copy),
             preempted_req_ids: Lazy::Rust(o.preempted_req_ids),
             finished_req_ids: Lazy::Rust(o.finished_req_ids),
+            grammar_sample_indices: Lazy::Rust(o.grammar_sample_indices),
+            grammar_masks: Lazy::Rust(o.grammar_masks),
+            grammar_mask_words: o.grammar_mask_words,
             step: s.step,
             num_scheduled_tokens: s.num_scheduled_tokens,
             num_prefill_tokens: s.num_prefill_tokens,
@@ -173,7 +180,8 @@ pymethods_with_array_getters!(PySchedulerOutput;
         kv_indptr: i32, kv_last_page_len: i32, logits_indices: i64,
         sample_req_ids: i64, sample_seq_indices: i32, preempted_req_ids: i64, finished_req_ids: i64, rows: i32,
         rows_removed: i32, rows_added: i32, added_req_ids: i64, added_seq_indices: i32, table_rows: i32,
-        table_cols: i32, table_blocks: i32, inflight_token_indices: i32, inflight_sample_indices: i32;
+        table_cols: i32, table_blocks: i32, inflight_token_indices: i32, inflight_sample_indices: i32,
+        grammar_sample_indices: i32, grammar_masks: u32;
     pairs: blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy;
     fn __repr__(&self) -> String {
         format!(

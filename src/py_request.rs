@@ -1,7 +1,7 @@
 //! `RequestParams` for Python: the one record a request crosses into the core with, converted
 //! and validated once, on construction (`ferryman_core::RequestParams::validate`).
 
-use ferryman_core::{RequestParams, TextParams};
+use ferryman_core::{GrammarSpec, RequestParams, TextParams};
 use pyo3::prelude::*;
 
 use crate::py_errors::InvalidRequestError;
@@ -26,7 +26,8 @@ pub struct PyRequestParams {
 impl PyRequestParams {
     #[new]
     #[pyo3(signature = (max_tokens, *, priority=0, eos_token_ids=Vec::new(), stop_token_ids=Vec::new(),
-        ignore_eos=false, n=1, detokenize=false, stop=Vec::new(), skip_reading_prefix_cache=false))]
+        ignore_eos=false, n=1, detokenize=false, stop=Vec::new(), skip_reading_prefix_cache=false,
+        grammar_kind=None, grammar=String::new()))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         max_tokens: i64,
@@ -38,6 +39,8 @@ impl PyRequestParams {
         detokenize: bool,
         stop: Vec<String>,
         skip_reading_prefix_cache: bool,
+        grammar_kind: Option<String>,
+        grammar: String,
     ) -> PyResult<Self> {
         let ids = |field: &str, v: Vec<i64>| v.into_iter().map(|t| token_id(field, t)).collect::<PyResult<Vec<_>>>();
         if !detokenize && !stop.is_empty() {
@@ -52,6 +55,7 @@ impl PyRequestParams {
             n: u32::try_from(n).unwrap_or(0),
             text: detokenize.then_some(TextParams { stop }),
             skip_reading_prefix_cache,
+            grammar: grammar_kind.map(|kind| GrammarSpec { kind, data: grammar }),
         };
         inner.validate().map_err(|msg| {
             InvalidRequestError::new_err(match msg.as_str() {
@@ -96,6 +100,14 @@ impl PyRequestParams {
         self.inner.skip_reading_prefix_cache
     }
     #[getter]
+    fn grammar_kind(&self) -> Option<String> {
+        self.inner.grammar.as_ref().map(|g| g.kind.clone())
+    }
+    #[getter]
+    fn grammar(&self) -> String {
+        self.inner.grammar.as_ref().map(|g| g.data.clone()).unwrap_or_default()
+    }
+    #[getter]
     fn stop(&self) -> Vec<String> {
         self.inner.text.as_ref().map(|t| t.stop.clone()).unwrap_or_default()
     }
@@ -104,7 +116,7 @@ impl PyRequestParams {
         let p = &self.inner;
         format!(
             "RequestParams(max_tokens={}, priority={}, eos_token_ids={:?}, stop_token_ids={:?}, ignore_eos={}, \
-             n={}, detokenize={}, stop={:?}, skip_reading_prefix_cache={})",
+             n={}, detokenize={}, stop={:?}, skip_reading_prefix_cache={}, grammar_kind={})",
             p.max_tokens,
             p.priority,
             p.eos_token_ids,
@@ -113,7 +125,8 @@ impl PyRequestParams {
             p.n,
             if p.text.is_some() { "True" } else { "False" },
             self.stop(),
-            if p.skip_reading_prefix_cache { "True" } else { "False" }
+            if p.skip_reading_prefix_cache { "True" } else { "False" },
+            p.grammar.as_ref().map_or("None".to_string(), |g| format!("'{}'", g.kind)),
         )
     }
 }

@@ -115,6 +115,9 @@ impl PyScheduler {
             ("num_blocks_kept_on_swap", c.num_blocks_kept_on_swap),
             ("num_swap_prefix_lost", c.num_swap_prefix_lost),
             ("scheduler_ns", c.scheduler_ns),
+            ("num_grammar_masks", c.num_grammar_masks),
+            ("grammar_mask_ns", c.grammar_mask_ns),
+            ("num_grammar_errors", c.num_grammar_errors),
         ] {
             d.set_item(k, v)?;
         }

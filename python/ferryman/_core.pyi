@@ -174,6 +174,16 @@ class SchedulerOutput:
     def table_blocks(self) -> npt.NDArray[np.int32]:
         """int32 [N]."""
     @property
+    def grammar_sample_indices(self) -> npt.NDArray[np.int32]:
+        """int32 [G]: samples constrained by a grammar (indices into the S samples)."""
+    @property
+    def grammar_masks(self) -> npt.NDArray[np.uint32]:
+        """uint32 [G * W], W = grammar_mask_words: each such sample's allowed tokens, bit
+        ``t % 32`` of word ``t / 32`` set when token t may be sampled."""
+    @property
+    def grammar_mask_words(self) -> int:
+        """W: u32 words per grammar mask (0 when the step has none)."""
+    @property
     def step(self) -> int: ...
     @property
     def num_scheduled_tokens(self) -> int: ...
@@ -245,7 +255,10 @@ class RequestParams:
     ``stop_token_ids`` always do. ``detokenize`` (needs Scheduler.set_tokenizer) makes update()
     return its text (special tokens add none); ``stop`` strings finish it with "stop", the text
     ending before the first one to appear. ``skip_reading_prefix_cache``: every prompt position
-    is computed, never taken from the prefix cache."""
+    is computed, never taken from the prefix cache. ``grammar_kind`` ("json", "json_object",
+    "regex", "choice" or "lark") with ``grammar`` (the JSON schema text, the regex, a JSON list of
+    strings, the Lark grammar): structured output, compiled by add_request (InvalidRequestError
+    when it does not compile); each sample then gets a mask (SchedulerOutput.grammar_masks)."""
 
     def __new__(
         cls,
@@ -259,7 +272,13 @@ class RequestParams:
         detokenize: bool = False,
         stop: list[str] = ...,
         skip_reading_prefix_cache: bool = False,
+        grammar_kind: str | None = None,
+        grammar: str = ...,
     ) -> RequestParams: ...
+    @property
+    def grammar_kind(self) -> str | None: ...
+    @property
+    def grammar(self) -> str: ...
     @property
     def skip_reading_prefix_cache(self) -> bool:
         """Admission never takes prefix-cache hits for it (prompt logprobs need every position)."""

@@ -111,6 +111,7 @@ class Engine(FaultsMixin, OfflineMixin):
         max_tokens = (
             params.max_tokens if params.max_tokens is not None else max(1, self.max_model_len - len(ids))
         )
+        kind, grammar = params.structured_outputs.spec() if params.structured_outputs else (None, "")
         record = RequestParams(
             max(1, max_tokens),  # 0 (prompt logprobs only): one token is sampled, not output
             priority=params.priority,
@@ -121,6 +122,8 @@ class Engine(FaultsMixin, OfflineMixin):
             detokenize=self.tokenizer is not None,
             stop=params.stop,
             skip_reading_prefix_cache=params.prompt_logprobs is not None,
+            grammar_kind=kind,
+            grammar=grammar,
         )
         core_id = self._free_ids.pop() if self._free_ids else self._next_id
         try:
@@ -128,7 +131,7 @@ class Engine(FaultsMixin, OfflineMixin):
         except InvalidRequestError as e:  # name the user's request id, not the core's number
             if core_id != self._next_id:
                 self._free_ids.append(core_id)
-            msg = str(e).removeprefix(f"request {core_id}: ")
+            msg = str(e).removeprefix("invalid ").removeprefix(f"request {core_id}: ")
             raise InvalidRequestError(f"request {request_id!r}: {msg}") from None
         self._next_id = max(self._next_id, core_id + 1)
         self._num_added += 1
@@ -196,7 +199,9 @@ class Engine(FaultsMixin, OfflineMixin):
             raise
 
     def _step(self) -> StepResult:
-        if not self._worker.overlap:
+        # a grammar's mask needs the step before applied: no overlap while one runs
+        guided = self._sampling.num_guided > 0
+        if not self._worker.overlap or (guided and self._inflight is None):
             plan = self._plan()
             try:
                 sampled = self._worker.run(plan, self._sampling.args(plan))
@@ -205,9 +210,8 @@ class Engine(FaultsMixin, OfflineMixin):
             return self._apply(plan, sampled)
         while True:
             prev = self._inflight
-            nxt = (
-                _InFlight(self._plan()) if prev is None or self.scheduler.has_unfinished_requests() else None
-            )
+            more = prev is None or self.scheduler.has_unfinished_requests()
+            nxt = _InFlight(self._plan()) if more and not guided else None
             self._inflight = nxt  # core ids released while applying `prev` wait for `nxt`
             if nxt is not None:
                 args = self._sampling.args(nxt.plan)

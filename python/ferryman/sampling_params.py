@@ -1,10 +1,51 @@
-"""SamplingParams: how one request is sampled and when it stops (vLLM's names and defaults)."""
+"""SamplingParams: how one request is sampled and when it stops (vLLM's names and defaults), and
+StructuredOutputsParams: the grammar a request's output must follow."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
+
+@dataclass(slots=True, frozen=True)
+class StructuredOutputsParams:
+    """Exactly one of: ``json`` (a JSON schema, as a dict or its text), ``json_object`` (any
+    JSON object), ``regex``, ``choice`` (one of these strings) or ``grammar`` (a Lark grammar,
+    llguidance's dialect). vLLM's names. Masks come from the llguidance crate in the core; JSON
+    is generated compact (no whitespace between tokens) unless the schema's ``x-guidance``
+    options say otherwise."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(
+                "structured outputs: give exactly one of json, regex, choice, grammar, json_object; "
+                f"got {given or 'none'}"
+            )
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured outputs: choice must be a non-empty list of strings")
+
+    def spec(self) -> tuple[str, str]:
+        """(kind, data) as the core's ``RequestParams`` takes them."""
+        if self.json is not None:
+            return "json", self.json if isinstance(self.json, str) else json.dumps(self.json)
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        if self.grammar is not None:
+            return "lark", self.grammar
+        return "json_object", ""
 
 
 @dataclass(slots=True)
@@ -46,6 +87,8 @@ class SamplingParams:
     # "cumulative": each step's output holds the whole text so far (vLLM's LLMEngine default);
     # "delta": only what is new since the last output; "final_only": one output, when finished
     output_kind: str = "cumulative"
+    # the output follows this grammar (JSON schema, regex, choice, Lark); see StructuredOutputsParams
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -73,8 +116,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        # bounded so a penalized logit stays finite in float32 (100 / 1e-3, -100 * 1e3)
+        if not 1e-3 <= self.repetition_penalty <= 1e3:
+            raise ValueError(f"repetition_penalty must be in [0.001, 1000], got {self.repetition_penalty}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

@@ -10,14 +10,15 @@
 //!
 //! Layering: `Scheduler` (step policy, budgets, preemption) → `KvCacheManager` (tokens → blocks,
 //! tables, swap, prefix cache) → `BlockPool` (blocks, ref counts, free list). Beside them, the
-//! `Batch` gives each running sequence a persistent row of the runner's tensors, and `text`
-//! turns tokens into text.
+//! `Batch` gives each running sequence a persistent row of the runner's tensors, `text`
+//! turns tokens into text, and `grammar` constrains them (structured outputs).
 
 pub mod arena;
 pub mod batch;
 pub mod block_pool;
 pub mod config;
 pub mod error;
+pub mod grammar;
 pub mod kv_cache_manager;
 pub mod outputs;
 pub mod prefix_cache;
@@ -28,6 +29,7 @@ pub mod text;
 
 pub use config::{Policy, PreemptionMode, PreemptionModeConfig, SchedulerConfig};
 pub use error::{CoreError, CoreResult};
+pub use grammar::GrammarSpec;
 pub use outputs::{Counters, PreemptionEvent, PreemptionReason, SchedulerOutput, StepOutputs, StepStats};
 pub use request::{FinishReason, RequestParams, RequestStatus, TextParams};
 pub use scheduler::Scheduler;

@@ -55,6 +55,12 @@ pub struct SchedulerOutput {
     pub blocks_to_swap_in: Vec<[i32; 2]>,
     /// [c, 2] flattened (src, dst) device pairs: copy-on-write, after the swaps.
     pub blocks_to_copy: Vec<[i32; 2]>,
+    /// [G] samples constrained by a grammar (indices into the S samples), and [G * W] their
+    /// masks: `W = grammar_mask_words` u32 words each, bit `t % 32` of word `t / 32` set when
+    /// token `t` is allowed.
+    pub grammar_sample_indices: Vec<i32>,
+    pub grammar_masks: Vec<u32>,
+    pub grammar_mask_words: usize,
     /// Requests preempted in this step (their id, once per preemption).
     pub preempted_req_ids: Vec<i64>,
     /// Requests that finished or were aborted since the previous `schedule()`.
@@ -133,6 +139,13 @@ pub struct Counters {
     pub num_swap_prefix_lost: u64,
     /// Wall time spent inside `schedule()` and `update()`, in nanoseconds.
     pub scheduler_ns: u64,
+    /// Grammar masks computed (one per constrained sample row, forks of one prompt share one),
+    /// and the time spent computing them (inside `schedule()`), in nanoseconds.
+    pub num_grammar_masks: u64,
+    pub grammar_mask_ns: u64,
+    /// Grammar matchers that failed (an error state, or a token they refused): the sequence
+    /// ended with "stop" at that point.
+    pub num_grammar_errors: u64,
 }
 
 /// The result of `update()`: one row per sample of the step (S), and the whole output of the

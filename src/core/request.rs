@@ -6,7 +6,9 @@
 //! finishes on its own. The KV cache manager, not the request, owns the block table.
 //!
 //! A request with `TextParams` also owns its text state (`SeqText`): the detokenized output so
-//! far and its stop strings, advanced by the scheduler's `update()` with every token.
+//! far and its stop strings, advanced by the scheduler's `update()` with every token. A request
+//! with a `GrammarSpec` owns its grammar's matcher (`Grammar`), advanced the same way; a fork
+//! gets its own copy.
 //!
 //! With async scheduling a step is planned before the previous step's samples are known: those
 //! samples are *in flight* (`num_inflight`), and a decode may compute the position of a token
@@ -15,6 +17,7 @@
 //! Invariant: `num_computed_tokens <= token_ids.len() + num_inflight`; `token_ids` starts with
 //! the prompt.
 
+use crate::grammar::{Grammar, GrammarSpec};
 use crate::text::SeqText;
 
 /// Which queue a live request is in. A finished request is dropped at once (its id is reported
@@ -90,6 +93,9 @@ pub struct RequestParams {
     /// Never take prefix-cache hits: every prompt position is computed (the runner needs the
     /// logits of each, for prompt logprobs).
     pub skip_reading_prefix_cache: bool,
+    /// Constrain the output to this grammar (structured outputs; needs the scheduler's
+    /// tokenizer).
+    pub grammar: Option<GrammarSpec>,
 }
 
 impl RequestParams {
@@ -149,6 +155,8 @@ pub struct Request {
     pub num_swap_prefix_blocks: usize,
     /// The output's text state and stop strings, when the request asked for text.
     pub text: Option<Box<SeqText>>,
+    /// Its grammar's matcher, when the request asked for structured output.
+    pub grammar: Option<Box<Grammar>>,
     /// The text released so far (what the sequence's deltas add up to).
     pub released_text: String,
     /// Its row of the persistent batch, while running and once scheduled.
@@ -182,7 +190,8 @@ impl Request {
             },
             num_pending_forks: p.n,
             skip_reading_prefix_cache: p.skip_reading_prefix_cache,
-            text: None, // the scheduler attaches it: it holds the tokenizer
+            text: None,    // the scheduler attaches it: it holds the tokenizer
+            grammar: None, // likewise: compiled against the scheduler's tokenizer
             released_text: String::new(),
             row: None,
             num_inflight: 0,
@@ -255,6 +264,7 @@ mod tests {
             num_swap_prefix_blocks: 0,
             num_cached_blocks: 0,
             text: None,
+            grammar: None,
             released_text: String::new(),
             row: None,
             num_inflight: 0,

@@ -26,12 +26,14 @@ use crate::arena::{ReqIdx, RequestArena};
 use crate::batch::Batch;
 use crate::config::SchedulerConfig;
 use crate::error::{CoreError, CoreResult};
+use crate::grammar::GrammarCompiler;
 use crate::kv_cache_manager::{BlockCopy, KvCacheManager};
 use crate::outputs::{Counters, PreemptionEvent, StepStats};
 use crate::queues::Queues;
 use crate::request::{FinishReason, Request, RequestParams, RequestStatus};
 use crate::text::{SeqText, Tokenizer};
 use std::collections::VecDeque;
+use std::sync::Arc;
 use step::PendingStep;
 
 /// A request scheduled in the step being planned.
@@ -71,6 +73,12 @@ pub struct Scheduler {
     last_step: StepStats,
     /// Detokenizes the output of requests that ask for text.
     tokenizer: Option<Tokenizer>,
+    /// Compiles requests' grammars against `tokenizer`; built on the first that asks.
+    grammars: Option<Arc<GrammarCompiler>>,
+}
+
+fn bad_grammar(req_id: u64, e: String) -> CoreError {
+    CoreError::InvalidRequest { req_id, msg: format!("structured outputs: {e}") }
 }
 
 impl Scheduler {
@@ -94,12 +102,14 @@ impl Scheduler {
             counters: Counters::default(),
             last_step: StepStats::default(),
             tokenizer: None,
+            grammars: None,
         })
     }
 
     /// Sets the tokenizer that requests with `TextParams` are detokenized with.
     pub fn set_tokenizer(&mut self, tokenizer: Tokenizer) {
         self.tokenizer = Some(tokenizer);
+        self.grammars = None;
     }
 
     /// The configuration.
@@ -150,8 +160,16 @@ impl Scheduler {
             (Some(t), Some(tok)) => Some(Box::new(SeqText::new(tok, &t.stop))),
             _ => None,
         };
+        let grammar = match &p.grammar {
+            Some(spec) => {
+                let compiled = self.grammar_compiler(&p.eos_token_ids).and_then(|c| c.compile(spec));
+                Some(Box::new(compiled.map_err(|e| bad_grammar(req_id, e))?))
+            }
+            None => None,
+        };
         let mut req = Request::new(req_id, self.next_arrival, &prompt_token_ids, p);
         req.text = text;
+        req.grammar = grammar;
         self.next_arrival += 1;
         let idx = self.reqs.insert(req);
         self.kv.ensure_tables(idx);
@@ -186,6 +204,19 @@ impl Scheduler {
             self.finish(idx, reason);
         }
         Ok(())
+    }
+
+    /// The grammar compiler, built on first use from the tokenizer (`eos_ids[0]` is the token
+    /// a complete grammar allows; every EOS and stop id of a request is allowed with it).
+    fn grammar_compiler(&mut self, eos_ids: &[u32]) -> Result<Arc<GrammarCompiler>, String> {
+        if let Some(c) = &self.grammars {
+            return Ok(c.clone());
+        }
+        let tok = self.tokenizer.as_ref().ok_or("structured outputs need a tokenizer, and this scheduler has none")?;
+        let eos = *eos_ids.first().ok_or("structured outputs need the model's EOS token id (eos_token_ids)")?;
+        let c = Arc::new(GrammarCompiler::new(tok, eos)?);
+        self.grammars = Some(c.clone());
+        Ok(c)
     }
 
     /// True while any request is waiting, running or swapped.

@@ -87,6 +87,9 @@ asgi.shutdown_lifespans()  # loading the schema started that app's engine thread
 MODEL_LIMITS = re.compile(
     rf"exceeds max_model_len={MAX_MODEL_LEN}$|^(logit_bias: )?token id \d+ out of range \[0, {VOCAB}\)$"
     r"|^min_tokens \(\d+\) must be <= max_tokens|^max_tokens must be >= 1 \(0 only with echo\)"
+    # a grammar whose text does not compile (JSON Schema cannot say what a regex or Lark grammar
+    # is), and two fields that ask for a grammar at once (a rule between fields)
+    r"|structured outputs: |^at most one of \[.*\] may constrain a request$"
 )
 
 
@@ -102,7 +105,8 @@ def _error(response: Response) -> dict[str, Any] | None:
 def positive_data_served(ctx: CheckContext, response: Response, case: Case) -> bool | None:
     """``positive_data_acceptance``, but for a refusal that only the model can make: a tolerance
     the schema cannot remove (token counts of text, the vocabulary are not JSON Schema), and
-    ``min_tokens`` above ``max_tokens`` (a rule between two fields)."""
+    ``min_tokens`` above ``max_tokens`` (a rule between two fields), a grammar that does not
+    compile or two that are asked for at once."""
     err = _error(response)
     if response.status_code == 400 and err is not None and MODEL_LIMITS.search(str(err.get("message"))):
         return None

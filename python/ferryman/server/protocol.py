@@ -1,6 +1,7 @@
 """Request and response bodies of the OpenAI-compatible API (the fields ferryman serves), as
 pydantic models. Extensions beyond OpenAI's fields follow vLLM's names: ``top_k``, ``min_p``,
-``ignore_eos``, ``stop_token_ids``, ``priority``. Unknown fields are ignored, as OpenAI clients
+``ignore_eos``, ``stop_token_ids``, ``priority``; structured outputs in both OpenAI's and vLLM's
+fields (``structured.py``). Unknown fields are ignored, as OpenAI clients
 send some the server has no use for.
 
 The request models are the published schema (``/openapi.json``), and they accept exactly what it
@@ -14,17 +15,10 @@ configuration (``n`` within ``max_num_seqs``) the engine checks, answering 400 a
 
 from __future__ import annotations
 
-import logging
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from annotated_types import Ge, Le
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    model_validator,
-)
+from pydantic import BeforeValidator, Field
 
 from ferryman.sampling_params import SamplingParams
 from ferryman.server.response_models import (
@@ -96,19 +90,8 @@ from ferryman.server.schema_types import (
     Unsupported,
     _json_false,
 )
-
-log = logging.getLogger("ferryman.server")
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    @model_validator(mode="after")
-    def _warn_unknown(self) -> Any:
-        """Unknown fields are ignored with a logged warning (vLLM's behaviour)."""
-        if self.model_extra:
-            log.warning("%s: ignoring unknown fields %s", type(self).__name__, sorted(self.model_extra))
-        return self
+from ferryman.server.schema_types import Body as _Body
+from ferryman.server.structured import StructuredFields
 
 
 class StreamOptions(_Body):
@@ -116,7 +99,7 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
-class _Sampling(_Body):
+class _Sampling(StructuredFields):
     model: str | None = None
     n: Annotated[int, Ge(1), Le(128), JSON_INT] = 1
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
@@ -133,7 +116,8 @@ class _Sampling(_Body):
     user: str | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0, le=JSON_INT_MAX)] = 1.0
+    # bounded so a penalized logit stays finite in float32
+    repetition_penalty: Annotated[float, Field(ge=1e-3, le=1e3)] = 1.0
     # OpenAI's: token ids (as JSON object keys) to a bias added to their logits
     logit_bias: LogitBias | None = None
     min_tokens: Annotated[int, Ge(0), Le(JSON_INT_MAX), JSON_INT] = 0
@@ -161,6 +145,7 @@ class _Sampling(_Body):
             logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
             min_tokens=self.min_tokens,
             prompt_logprobs=prompt_logprobs,
+            structured_outputs=self.structured(),
         )
 
 
@@ -209,10 +194,6 @@ class ChatMessage(_Body):
         return self.content or ""
 
 
-class ResponseFormatText(_Body):
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: MaxTokens | None = None
@@ -225,7 +206,6 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: Unsupported = None
     functions: Unsupported = None
     function_call: Unsupported = None
-    response_format: ResponseFormatText | None = None
     audio: Unsupported = None
     modalities: list[Literal["text"]] | None = None
     prediction: Unsupported = None

@@ -1,23 +1,41 @@
 """The constrained field types of the API's request bodies: JSON's integers (strict, ``2.0``
 allowed, bounded so a value the schema allows never overflows deeper down), token ids, the
 prompt's four shapes, logit biases, and ``Unsupported`` (an OpenAI field ferryman refuses by
-name)."""
+name), and ``Body``, the base of every request body (strict, unknown fields warned about)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any
 
 from annotated_types import Ge, Le, MinLen
 from pydantic import (
     AfterValidator,
+    BaseModel,
     BeforeValidator,
+    ConfigDict,
     Discriminator,
     Field,
     Tag,
     ValidationInfo,
     WithJsonSchema,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
+
+log = logging.getLogger("ferryman.server")
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="after")
+    def _warn_unknown(self) -> Any:
+        """Unknown fields are ignored with a logged warning (vLLM's behaviour)."""
+        if self.model_extra:
+            log.warning("%s: ignoring unknown fields %s", type(self).__name__, sorted(self.model_extra))
+        return self
+
 
 I32_MAX = 2**31 - 1
 # JSON's interoperable integers (I-JSON): a double holds each exactly, so a bound means the same to

@@ -42,6 +42,8 @@ class SampleArgs:
     filters: Filters  # what those use
     wanted: list[int | None] | None  # per sample: top-N logprobs, or None; None: no sample wants
     adjust: Adjust | None = None  # penalties, biases, min_tokens: None when no sample has any
+    # samples a grammar constrains, and their masks (uint32 [G, W], bit t of token t): None if none
+    grammar: tuple[np.ndarray, np.ndarray] | None = None
     prompt: PromptArgs | None = None  # prompt positions whose logprobs are wanted
 
     @property
@@ -79,6 +81,7 @@ class SamplingTable:
         self.num_logprobs = 0  # live requests that want logprobs
         self.num_adjusted = 0  # live requests with penalties, a logit bias or min_tokens
         self.num_prompt_lp = 0  # live requests that want prompt logprobs
+        self.guided: set[int] = set()  # live requests with structured outputs
         self.bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # core id -> token ids, biases
         self.suppress: dict[int, np.ndarray] = {}  # core id -> ids min_tokens holds back
         self.prompts: dict[int, np.ndarray] = {}  # core id -> prompt ids, for penalized requests
@@ -132,6 +135,8 @@ class SamplingTable:
             # an id outside the vocabulary is never sampled: nothing to hold back (and no column)
             self.suppress[i] = ids[ids < self.vocab_size] if self.vocab_size else ids
         self.num_adjusted += p.penalized or bool(p.logit_bias) or i in self.suppress
+        if p.structured_outputs is not None:
+            self.guided.add(i)
 
     def clear(self, i: int) -> None:
         self.num_random -= bool(self.temperature[i] > 0)
@@ -143,6 +148,11 @@ class SamplingTable:
         self.bias.pop(i, None)
         self.suppress.pop(i, None)
         self.prompts.pop(i, None)
+        self.guided.discard(i)
+
+    @property
+    def num_guided(self) -> int:
+        return len(self.guided)
 
     def args(self, out: Any) -> SampleArgs:
         """What sampling the planned step ``out`` (a ``SchedulerOutput``) needs from the table."""
@@ -163,7 +173,12 @@ class SamplingTable:
             )
         adjust = adjust_args(self, out) if self.num_adjusted else None
         prompt = prompt_args(self, out) if self.num_prompt_lp else None
-        return SampleArgs(out.rows_added.astype(np.int64), added, random, filters, wanted, adjust, prompt)
+        grammar = None
+        if self.guided and len(out.grammar_sample_indices):
+            masks = out.grammar_masks.reshape(len(out.grammar_sample_indices), out.grammar_mask_words)
+            grammar = (out.grammar_sample_indices, masks)
+        rows_added = out.rows_added.astype(np.int64)
+        return SampleArgs(rows_added, added, random, filters, wanted, adjust, prompt=prompt, grammar=grammar)
 
     def write_rows(self, a: SampleArgs) -> None:
         """The rows the step takes get their requests' parameters, one copy per column."""
@@ -197,6 +212,8 @@ class SamplingTable:
         raw = logits  # logprobs are the model's own
         if a.adjust is not None:
             logits = self.logit_state.apply(logits, rows, a.adjust, self.by_row)
+        if a.grammar is not None:
+            logits = apply_grammar(logits, *a.grammar, fallback=raw if a.adjust is not None else None)
         if not a.any_random and logits.device.type == "cpu":
             # numpy's argmax: ~6x faster than torch's on CPU at [256, vocab] (no thread pool)
             arr = logits.numpy()
@@ -231,6 +248,41 @@ class SamplingTable:
         if a.wanted is None:
             return tokens, ok, None
         return tokens, ok, gather_logprobs(raw, tokens, a.wanted)
+
+
+def apply_grammar(
+    logits: torch.Tensor, samples: np.ndarray, masks: np.ndarray, fallback: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``logits`` with -inf added where a grammar forbids the token: row ``samples[i]`` takes
+    bitmask ``masks[i]`` (bit ``t % 32`` of word ``t // 32`` for token t; tokens past the mask
+    are forbidden). Added, not written: a NaN or +inf logit stays non-finite, so the fault check
+    still sees it. A row left with no token (``min_tokens`` holding back the only one the grammar
+    allows: its end) takes the mask over ``fallback`` (the logits before the adjustments) instead:
+    the grammar wins. A new tensor (the raw logits stay for logprobs); no wait for the device."""
+    dev = logits.device
+    bias = grammar_bias(masks, logits.shape[1], dev).to(logits.dtype)
+    rows = torch.from_numpy(samples.astype(np.int64)).to(dev)
+    masked = logits.index_select(0, rows) + bias
+    if fallback is not None:
+        dead = masked.amax(dim=-1, keepdim=True) == float("-inf")
+        masked = torch.where(dead, fallback.index_select(0, rows) + bias, masked)
+    return logits.index_copy(0, rows, masked)
+
+
+def grammar_bias(masks: np.ndarray, vocab: int, dev: torch.device, numpy: bool | None = None) -> torch.Tensor:
+    """float32 ``[G, vocab]``: 0 where bitmask row ``masks[g]`` allows the token, -inf elsewhere
+    (and past the mask's bits). On CPU with numpy's bit unpacking (one pass; ``numpy`` forces
+    either way), else with torch ops on ``dev``."""
+    if dev.type == "cpu" if numpy is None else numpy:
+        bits = np.unpackbits(masks.view(np.uint8), axis=1, count=vocab, bitorder="little")
+        return torch.from_numpy(np.where(bits.astype(bool), np.float32(0), np.float32("-inf"))).to(dev)
+    words = torch.from_numpy(masks.view(np.int32)).to(dev)
+    bits_t = (words[:, :, None] >> torch.arange(32, dtype=torch.int32, device=dev)) & 1
+    allowed = bits_t.reshape(len(masks), -1)[:, :vocab].bool()
+    if allowed.shape[1] < vocab:
+        pad = torch.zeros((len(masks), vocab - allowed.shape[1]), dtype=torch.bool, device=dev)
+        allowed = torch.cat([allowed, pad], dim=1)
+    return torch.zeros(allowed.shape, dtype=torch.float32, device=dev).masked_fill_(~allowed, float("-inf"))
 
 
 def _dtype(col: np.ndarray) -> torch.dtype:

@@ -15,6 +15,13 @@
 //! place in `inflight_token_indices` and its sample's index in the previous step in
 //! `inflight_sample_indices`: the runner fills it from that step's sampled ids on the device.
 //!
+//! A sample of a sequence with a grammar gets its mask of allowed tokens here, from the matcher's
+//! state after every token applied so far: the caller applies a step before planning the next
+//! while such a sequence runs (a sample in flight would make the mask stale; checked in debug
+//! builds). `update()` advances the matcher with the sampled token; a complete grammar finishes
+//! the sequence with "stop" (its last token's text included), and so does a matcher error
+//! (counted in `num_grammar_errors`).
+//!
 //! A sample of a sequence no longer live when it is applied (aborted, or finished by the step
 //! before: a stop found one step late) is dropped: its row has `num_output_tokens == 0` and no
 //! finish reason.
@@ -137,6 +144,30 @@ impl Scheduler {
             if end == r.num_tokens_scheduled() {
                 let n = r.num_pending_forks;
                 let first = samples.len() as u32;
+                if let Some(g) = r.grammar.as_deref_mut() {
+                    debug_assert_eq!(r.num_inflight, 0, "a grammar's mask needs every earlier sample applied");
+                    let started = std::time::Instant::now();
+                    let words = self.grammars.as_ref().map_or(0, |c| c.mask_words());
+                    let stops: Vec<u32> = (if r.stop.ignore_eos { &[][..] } else { &r.stop.eos_token_ids[..] })
+                        .iter()
+                        .chain(&r.stop.stop_token_ids)
+                        .copied()
+                        .collect();
+                    let at = o.grammar_masks.len();
+                    o.grammar_masks.resize(at + words, 0);
+                    if g.fill_mask(&mut o.grammar_masks[at..], &stops).is_err() {
+                        self.counters.num_grammar_errors += 1;
+                    }
+                    for k in 0..n {
+                        if k > 0 {
+                            o.grammar_masks.extend_from_within(at..at + words); // forks share the mask
+                        }
+                        o.grammar_sample_indices.push((first + k) as i32);
+                    }
+                    o.grammar_mask_words = words;
+                    self.counters.num_grammar_masks += 1;
+                    self.counters.grammar_mask_ns += started.elapsed().as_nanos() as u64;
+                }
                 for k in 0..n {
                     let seq_index = if n > 1 { k } else { r.seq_index };
                     o.logits_indices.push(o.input_ids.len() as i64 - 1);
@@ -249,11 +280,23 @@ impl Scheduler {
     fn append(&mut self, idx: ReqIdx, token: u32, out: &mut StepOutputs) {
         let r = self.reqs.get_mut(idx);
         let mut finish = r.append_token(token, self.cfg.max_model_len);
+        let stop_token = finish == Some(FinishReason::Stop);
         self.counters.num_generated_tokens += 1;
+        if let Some(g) = r.grammar.as_deref_mut().filter(|_| !stop_token) {
+            // a complete grammar ends the sequence; so does a token it refuses (a bug or a
+            // sampler that ignored the mask), counted
+            let done = g.consume(token).unwrap_or_else(|_| {
+                self.counters.num_grammar_errors += 1;
+                true
+            });
+            if done && finish.is_none() {
+                finish = Some(FinishReason::Stop);
+            }
+        }
         if let (Some(text), Some(tok)) = (r.text.as_deref_mut(), self.tokenizer.as_ref()) {
             // a stop token's own text is not part of the output (vLLM's rule); a token the
             // tokenizer cannot decode adds no text
-            if finish != Some(FinishReason::Stop) && matches!(text.push(tok, token), Ok(Push::Stop(_))) {
+            if !stop_token && matches!(text.push(tok, token), Ok(Push::Stop(_))) {
                 finish = Some(FinishReason::Stop);
             }
             if finish.is_some() && matches!(text.finish(), Push::Stop(_)) {

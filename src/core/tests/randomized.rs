@@ -120,6 +120,7 @@ impl Harness {
             n: if rng.chance(0.2) { rng.range(2, 3) as u32 } else { 1 },
             text: None,
             skip_reading_prefix_cache: rng.chance(0.1),
+            grammar: None,
         };
         let id = self.next_id;
         self.next_id += 1;

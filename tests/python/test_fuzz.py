@@ -90,6 +90,9 @@ MODEL_LIMITS = re.compile(
     # a grammar whose text does not compile (JSON Schema cannot say what a regex or Lark grammar
     # is), and two fields that ask for a grammar at once (a rule between fields)
     r"|structured outputs: |^at most one of \[.*\] may constrain a request$"
+    # tool_choice against tools: a rule between fields
+    r"|^tool_choice .* needs tools$|^tool_choice names .*, which is not among the tools$"
+    r"|^tool_choice and a structured output cannot both constrain a request$"
 )
 
 
@@ -106,7 +109,7 @@ def positive_data_served(ctx: CheckContext, response: Response, case: Case) -> b
     """``positive_data_acceptance``, but for a refusal that only the model can make: a tolerance
     the schema cannot remove (token counts of text, the vocabulary are not JSON Schema), and
     ``min_tokens`` above ``max_tokens`` (a rule between two fields), a grammar that does not
-    compile or two that are asked for at once."""
+    compile or two that are asked for at once, a ``tool_choice`` its ``tools`` do not allow."""
     err = _error(response)
     if response.status_code == 400 and err is not None and MODEL_LIMITS.search(str(err.get("message"))):
         return None

@@ -173,7 +173,7 @@ def test_chat_plain_and_streamed(server: Server, offline: Engine) -> None:
     )
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
-    assert choice["message"] == {"role": "assistant", "content": want.outputs[0].text}
+    assert choice["message"] == {"role": "assistant", "content": want.outputs[0].text, "tool_calls": None}
     lp = choice["logprobs"]["content"]
     assert len(lp) == 12 and all(len(t["top_logprobs"]) == 2 and t["logprob"] <= 0 for t in lp)
     req = {"messages": msgs, **GREEDY, "stream": True}
@@ -247,11 +247,17 @@ BAD_REQUESTS: list[tuple[str, Any, int, str]] = [
     # OpenAI fields not implemented are refused by name, never silently ignored
     (CMPL, {"prompt": "x", "suffix": "y"}, 400, "suffix is not supported"),
     (CMPL, {"prompt": "x", "best_of": 3}, 400, "best_of is not supported"),
-    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "tools": [{}]}, 400, "tools is not supported"),
-    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, 400, "tool_choice"),
     (
         CHAT,
-        {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+        {"messages": [{"role": "user", "content": "hi"}], "functions": [{}]},
+        400,
+        "functions is not supported",
+    ),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "tools": [{}]}, 400, "tools"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, 400, "needs tools"),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},
         400,
         "response_format",
     ),

@@ -12,10 +12,9 @@ step.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -24,32 +23,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ferryman.sampling_params import SamplingParams
+from ferryman.server import handling, responses
 from ferryman.server import protocol as api
-from ferryman.server import responses
 from ferryman.server.async_engine import (
     AsyncEngine,
     Delta,
     DrainingError,
     EngineDeadError,
-    RequestFailedError,
     Update,
 )
+from ferryman.server.chat_route import add_chat_route
 from ferryman.server.errors import ERRORS, ApiError, generation, install_error_handlers
 from ferryman.server.tokenize_routes import add_tokenizer_routes
 
 T = TypeVar("T")
-
-
-async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Runs ``work``; cancels it (aborting its requests) if the client goes away first."""
-    task = asyncio.ensure_future(work)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=0.2)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            task.cancel()
-            raise ApiError(499, "client disconnected", "client_closed_request")
 
 
 def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
@@ -100,13 +87,13 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
             for i, p in enumerate(prompts):
                 streams.append(await engine.add(f"{rid}-{i}", p, params, arrival))
         except EngineDeadError as e:
-            await _close(streams)
+            await handling.close(streams)
             raise ApiError(503, str(e), "server_error") from None
         except DrainingError as e:
-            await _close(streams)
+            await handling.close(streams)
             raise ApiError(503, str(e), "server_error", code="shutting_down") from None
         except ValueError as e:  # InvalidRequestError and bad sampling values
-            await _close(streams)
+            await handling.close(streams)
             raise ApiError(400, str(e), "invalid_request_error") from None
         return rid, streams
 
@@ -136,7 +123,7 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
     @app.post("/v1/completions", response_model=None, responses=generation(api.CompletionResponse))
     async def completions(body: api.CompletionRequest, request: Request) -> Response | api.CompletionResponse:
         check(body.model)
-        params = _params(body.sampling_params)
+        params = handling.params(body.sampling_params)
         prompts = body.prompts()
         if not prompts:
             raise ApiError(400, "prompt must not be empty", "invalid_request_error", "prompt")
@@ -205,86 +192,8 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
                 )
             return api.CompletionResponse(id=rid, model=served_model_name, choices=choices, usage=acc.usage())
 
-        return await _run_collect(request, collect(), streams)
+        return await handling.run_collect(request, collect(), streams)
 
-    @app.post("/v1/chat/completions", response_model=None, responses=generation(api.ChatCompletionResponse))
-    async def chat(
-        body: api.ChatCompletionRequest, request: Request
-    ) -> Response | api.ChatCompletionResponse:
-        check(body.model)
-        params = _params(body.sampling_params)
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ApiError(400, "this model has no chat template", "invalid_request_error", "messages")
-        msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            prompt = str(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False))
-        except Exception as e:  # the template itself rejects the conversation
-            raise ApiError(400, f"chat template: {e}", "invalid_request_error", "messages") from None
-        rid, streams = await submit("chatcmpl", [prompt], params)
-        want_lp, top_n = params.logprobs is not None, params.logprobs or 0
-        if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
-
-            started: set[int] = set()
-
-            def choice(_: int, d: Delta, __: Update) -> api.ChatChunkChoice:
-                role: Any = None if d.index in started else "assistant"
-                started.add(d.index)
-                lp = responses.chat_logprobs(d.token_ids, d.logprobs, token_str, top_n) if want_lp else None
-                return api.ChatChunkChoice(
-                    index=d.index,
-                    delta=api.DeltaMessage(role=role, content=d.text),
-                    logprobs=lp,
-                    finish_reason=d.finish_reason,
-                )
-
-            def chunk(choices: list[Any], usage: api.Usage | None) -> api.ChatCompletionChunk:
-                return api.ChatCompletionChunk(id=rid, model=served_model_name, choices=choices, usage=usage)
-
-            events = responses.sse_events(streams, choice, chunk, include_usage, continuous)
-            return StreamingResponse(events, media_type="text/event-stream")
-
-        async def collect() -> api.ChatCompletionResponse:
-            acc = await responses.accumulate(streams, params.n)
-            choices = [
-                api.ChatChoice(
-                    index=k,
-                    message=api.AssistantMessage(content="".join(acc.text.get(k, []))),
-                    logprobs=responses.chat_logprobs(acc.toks.get(k, []), acc.lps.get(k), token_str, top_n)
-                    if want_lp
-                    else None,
-                    finish_reason=acc.reasons.get(k),
-                )
-                for k in range(params.n)
-            ]
-            return api.ChatCompletionResponse(
-                id=rid, model=served_model_name, choices=choices, usage=acc.usage()
-            )
-
-        return await _run_collect(request, collect(), streams)
+    add_chat_route(app, tokenizer, served_model_name, check, submit, token_str)
 
     return app
-
-
-def _params(make: Callable[[], SamplingParams]) -> SamplingParams:
-    try:
-        return make()
-    except ValueError as e:
-        raise ApiError(400, str(e), "invalid_request_error") from None
-
-
-async def _close(streams: list[AsyncIterator[Update]]) -> None:
-    for s in streams:
-        await s.aclose()  # type: ignore[attr-defined]
-
-
-async def _run_collect(request: Request, work: Awaitable[T], streams: list[AsyncIterator[Update]]) -> T:
-    try:
-        return await _until_disconnect(request, work)
-    except EngineDeadError as e:
-        raise ApiError(503, str(e), "server_error") from None
-    except RequestFailedError as e:
-        raise ApiError(500, str(e), "server_error") from None
-    finally:
-        await _close(streams)

@@ -15,7 +15,7 @@ configuration (``n`` within ``max_num_seqs``) the engine checks, answering 400 a
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from annotated_types import Ge, Le
 from pydantic import BeforeValidator, Field
@@ -55,6 +55,9 @@ from ferryman.server.response_models import (
     DeltaMessage as DeltaMessage,
 )
 from ferryman.server.response_models import (
+    DeltaToolCall as DeltaToolCall,
+)
+from ferryman.server.response_models import (
     DetokenizeResponse as DetokenizeResponse,
 )
 from ferryman.server.response_models import (
@@ -64,6 +67,9 @@ from ferryman.server.response_models import (
     ErrorResponse as ErrorResponse,
 )
 from ferryman.server.response_models import (
+    FunctionCall as FunctionCall,
+)
+from ferryman.server.response_models import (
     ModelCard as ModelCard,
 )
 from ferryman.server.response_models import (
@@ -71,6 +77,9 @@ from ferryman.server.response_models import (
 )
 from ferryman.server.response_models import (  # re-exported: the API's bodies in one place
     TokenizeResponse as TokenizeResponse,
+)
+from ferryman.server.response_models import (
+    ToolCall as ToolCall,
 )
 from ferryman.server.response_models import (
     TopLogprob as TopLogprob,
@@ -92,6 +101,7 @@ from ferryman.server.schema_types import (
 )
 from ferryman.server.schema_types import Body as _Body
 from ferryman.server.structured import StructuredFields
+from ferryman.server.tools import Tool, ToolCallIn, ToolChoice, choose, constraint
 
 
 class StreamOptions(_Body):
@@ -187,11 +197,21 @@ class ContentPart(_Body):
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict[str, Any]:
+        m: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            m["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
+        m |= {k: v for k, v in (("tool_call_id", self.tool_call_id), ("name", self.name)) if v is not None}
+        return m
 
 
 class ChatCompletionRequest(_Sampling):
@@ -201,9 +221,9 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
     # OpenAI fields that would change the answer and are not implemented: refused by name
-    tools: Unsupported = None
-    tool_choice: Literal["none"] | None = None
-    parallel_tool_calls: Unsupported = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call
     functions: Unsupported = None
     function_call: Unsupported = None
     audio: Unsupported = None
@@ -215,9 +235,18 @@ class ChatCompletionRequest(_Sampling):
     metadata: dict[str, str] | None = None  # descriptive only (OpenAI keeps it with `store`)
     service_tier: Literal["auto", "default"] | None = None  # one tier here
 
+    def effective_tool_choice(self) -> ToolChoice:
+        return choose(self.tools, self.tool_choice)
+
     def sampling_params(self) -> SamplingParams:
         n = (self.top_logprobs or 0) if self.logprobs else None
-        return self._params(self.max_completion_tokens or self.max_tokens, n)
+        p = self._params(self.max_completion_tokens or self.max_tokens, n)
+        so = constraint(self.tools or [], self.effective_tool_choice(), self.parallel_tool_calls is not False)
+        if so is not None:
+            if p.structured_outputs is not None:
+                raise ValueError("tool_choice and a structured output cannot both constrain a request")
+            p.structured_outputs = so
+        return p
 
 
 class TokenizeCompletionRequest(_Body):

@@ -1,0 +1,132 @@
+"""``POST /v1/chat/completions``: messages through the model's chat template (with ``tools``,
+``tools.py``), one request of ``n`` sequences, answered whole or streamed. With tools, each
+choice's text is split into content and ``tool_calls`` (``finish_reason: "tool_calls"`` when
+the model chose to call, ``"stop"`` for a forced named function, as OpenAI answers); streamed,
+content goes out as it comes and each call as one delta once the sequence ends."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from ferryman.sampling_params import SamplingParams
+from ferryman.server import handling, responses, tools
+from ferryman.server import protocol as api
+from ferryman.server.async_engine import Delta, Update
+from ferryman.server.errors import ApiError, generation
+
+Submit = Callable[
+    [str, list[str | list[int]], SamplingParams], Awaitable[tuple[str, list[AsyncIterator[Update]]]]
+]
+
+
+def _calls(calls: list[tools.Call]) -> list[api.ToolCall]:
+    return [
+        api.ToolCall(id=c.id, function=api.FunctionCall(name=c.name, arguments=c.arguments)) for c in calls
+    ]
+
+
+def _reason(reason: str | None, calls: list[tools.Call], choice: tools.ToolChoice) -> str | None:
+    forced = isinstance(choice, tools.NamedToolChoice)
+    return "tool_calls" if calls and reason == "stop" and not forced else reason
+
+
+def add_chat_route(
+    app: FastAPI,
+    tokenizer: Any,
+    served_model_name: str,
+    check: Callable[[str | None], None],
+    submit: Submit,
+    token_str: Callable[[int], str],
+) -> None:
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    parser = tools.pick_parser(template if isinstance(template, str) else None)
+
+    @app.post("/v1/chat/completions", response_model=None, responses=generation(api.ChatCompletionResponse))
+    async def chat(
+        body: api.ChatCompletionRequest, request: Request
+    ) -> Response | api.ChatCompletionResponse:
+        check(body.model)
+        params = handling.params(body.sampling_params)
+        choice = body.effective_tool_choice()
+        if tokenizer is None or not template:
+            raise ApiError(400, "this model has no chat template", "invalid_request_error", "messages")
+        msgs, tool_dicts = tools.render_messages(
+            [m.for_template() for m in body.messages], body.tools, choice, str(template)
+        )
+        try:
+            prompt = str(
+                tokenizer.apply_chat_template(
+                    msgs, tools=tool_dicts, add_generation_prompt=True, tokenize=False
+                )
+            )
+        except Exception as e:  # the template itself rejects the conversation
+            raise ApiError(400, f"chat template: {e}", "invalid_request_error", "messages") from None
+        rid, streams = await submit("chatcmpl", [prompt], params)
+        want_lp, top_n = params.logprobs is not None, params.logprobs or 0
+        with_tools = bool(body.tools) and choice != "none"
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
+            started: set[int] = set()
+            split = {k: tools.Streamer(choice, parser) for k in range(params.n)} if with_tools else {}
+
+            def chunk_choice(_: int, d: Delta, __: Update) -> api.ChatChunkChoice:
+                role: Any = None if d.index in started else "assistant"
+                started.add(d.index)
+                lp = responses.chat_logprobs(d.token_ids, d.logprobs, token_str, top_n) if want_lp else None
+                content: str | None = d.text
+                calls: list[tools.Call] = []
+                if with_tools:
+                    content = split[d.index].feed(d.text)
+                    if d.finish_reason is not None:
+                        rest, calls = split[d.index].finish()
+                        content += rest
+                    content = content or None
+                delta_calls = [
+                    api.DeltaToolCall(
+                        index=j, id=c.id, function=api.FunctionCall(name=c.name, arguments=c.arguments)
+                    )
+                    for j, c in enumerate(calls)
+                ]
+                return api.ChatChunkChoice(
+                    index=d.index,
+                    delta=api.DeltaMessage(role=role, content=content, tool_calls=delta_calls or None),
+                    logprobs=lp,
+                    finish_reason=_reason(d.finish_reason, calls, choice),
+                )
+
+            def chunk(choices: list[Any], usage: api.Usage | None) -> api.ChatCompletionChunk:
+                return api.ChatCompletionChunk(id=rid, model=served_model_name, choices=choices, usage=usage)
+
+            events = responses.sse_events(streams, chunk_choice, chunk, include_usage, continuous)
+            return StreamingResponse(events, media_type="text/event-stream")
+
+        async def collect() -> api.ChatCompletionResponse:
+            acc = await responses.accumulate(streams, params.n)
+            choices = []
+            for k in range(params.n):
+                text: str | None = "".join(acc.text.get(k, []))
+                calls: list[tools.Call] = []
+                if with_tools:
+                    text, calls = tools.parse(text or "", choice, parser)
+                choices.append(
+                    api.ChatChoice(
+                        index=k,
+                        message=api.AssistantMessage(content=text, tool_calls=_calls(calls) or None),
+                        logprobs=responses.chat_logprobs(
+                            acc.toks.get(k, []), acc.lps.get(k), token_str, top_n
+                        )
+                        if want_lp
+                        else None,
+                        finish_reason=_reason(acc.reasons.get(k), calls, choice),
+                    )
+                )
+            return api.ChatCompletionResponse(
+                id=rid, model=served_model_name, choices=choices, usage=acc.usage()
+            )
+
+        return await handling.run_collect(request, collect(), streams)

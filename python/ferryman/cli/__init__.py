@@ -22,7 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    status: int = a.run(a)
+    try:
+        status: int = a.run(a)
+    except ValueError as e:  # bad input (sampling values, a grammar, a model path): said, not a traceback
+        print(f"ferryman {a.cmd}: error: {e}", file=sys.stderr)
+        return 2
     return status
 
 

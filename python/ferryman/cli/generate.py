@@ -7,10 +7,11 @@ import argparse
 import dataclasses
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ferryman.engine_args import EngineArgs, add_cli_args, from_cli
-from ferryman.sampling_params import SamplingParams
+from ferryman.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from ferryman.engine import Engine
@@ -52,6 +53,28 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (default: 0)")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; 1 is off (default: 1)")
     g.add_argument("--min-tokens", type=int, default=0, help="no EOS / stop id before this many tokens")
+    so = g.add_mutually_exclusive_group()  # structured outputs (docs/structured-outputs.md)
+    so.add_argument(
+        "--json-schema", default=None, help="the output follows this JSON schema (JSON, or @file)"
+    )
+    so.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    so.add_argument("--regex", default=None, help="the output matches this regular expression")
+    so.add_argument("--choice", action="append", default=None, help="the output is one of these (repeatable)")
+    so.add_argument("--grammar", default=None, help="the output follows this Lark grammar (text, or @file)")
+
+
+def _text_or_file(v: str) -> str:
+    return Path(v[1:]).read_text() if v.startswith("@") else v
+
+
+def _structured(a: argparse.Namespace) -> StructuredOutputsParams | None:
+    if a.json_schema is not None:
+        return StructuredOutputsParams(json=_text_or_file(a.json_schema))
+    if a.grammar is not None:
+        return StructuredOutputsParams(grammar=_text_or_file(a.grammar))
+    if a.regex is not None or a.choice is not None:
+        return StructuredOutputsParams(regex=a.regex, choice=a.choice)
+    return StructuredOutputsParams(json_object=True) if a.json_object else None
 
 
 def _sampling(a: argparse.Namespace) -> SamplingParams:
@@ -67,6 +90,7 @@ def _sampling(a: argparse.Namespace) -> SamplingParams:
         frequency_penalty=a.frequency_penalty,
         repetition_penalty=a.repetition_penalty,
         min_tokens=a.min_tokens,
+        structured_outputs=_structured(a),
     )
 
 

@@ -51,6 +51,7 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
     app = FastAPI(title="ferryman", lifespan=lifespan)
     install_error_handlers(app)
     tokenizer = engine.engine.tokenizer
+    defaults = dict(engine.engine.generation_defaults)  # the model's generation_config.json
     max_model_len = engine.engine.max_model_len
 
     def token_str(t: int) -> str:
@@ -123,7 +124,7 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
     @app.post("/v1/completions", response_model=None, responses=generation(api.CompletionResponse))
     async def completions(body: api.CompletionRequest, request: Request) -> Response | api.CompletionResponse:
         check(body.model)
-        params = handling.params(body.sampling_params)
+        params = handling.params(lambda: body.sampling_params(defaults))
         prompts = body.prompts()
         if not prompts:
             raise ApiError(400, "prompt must not be empty", "invalid_request_error", "prompt")
@@ -194,6 +195,6 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
 
         return await handling.run_collect(request, collect(), streams)
 
-    add_chat_route(app, tokenizer, served_model_name, check, submit, token_str)
+    add_chat_route(app, tokenizer, served_model_name, check, submit, token_str, defaults)
 
     return app

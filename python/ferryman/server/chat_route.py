@@ -41,7 +41,9 @@ def add_chat_route(
     check: Callable[[str | None], None],
     submit: Submit,
     token_str: Callable[[int], str],
+    defaults: dict[str, Any],
 ) -> None:
+    """``defaults``: the model's sampling defaults (generation_config.json)."""
     template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
     parser = tools.pick_parser(template if isinstance(template, str) else None)
 
@@ -50,7 +52,7 @@ def add_chat_route(
         body: api.ChatCompletionRequest, request: Request
     ) -> Response | api.ChatCompletionResponse:
         check(body.model)
-        params = handling.params(body.sampling_params)
+        params = handling.params(lambda: body.sampling_params(defaults))
         choice = body.effective_tool_choice()
         if tokenizer is None or not template:
             raise ApiError(400, "this model has no chat template", "invalid_request_error", "messages")

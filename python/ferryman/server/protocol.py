@@ -133,17 +133,30 @@ class _Sampling(StructuredFields):
     min_tokens: Annotated[int, Ge(0), Le(JSON_INT_MAX), JSON_INT] = 0
 
     def _params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        defaults: dict[str, Any] | None = None,
     ) -> SamplingParams:
+        """The request's sampling; ``defaults`` (the model's generation_config.json, in
+        ``SamplingParams`` names) fill the fields the request leaves unset, as vLLM's server does."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        unset = {k: v for k, v in (defaults or {}).items() if k not in self.model_fields_set}
+        if "max_tokens" in unset and ({"max_tokens", "max_completion_tokens"} & self.model_fields_set):
+            del unset["max_tokens"]
         return SamplingParams(
+            **{
+                "temperature": self.temperature,
+                "top_p": self.top_p,
+                "top_k": self.top_k,
+                "min_p": self.min_p,
+                "repetition_penalty": self.repetition_penalty,
+                "max_tokens": max_tokens,
+                **unset,
+            },
             n=self.n,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
             seed=self.seed,
-            max_tokens=max_tokens,
             stop=[s for s in stop if s],
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
@@ -151,7 +164,6 @@ class _Sampling(StructuredFields):
             priority=self.priority,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
             logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
             min_tokens=self.min_tokens,
             prompt_logprobs=prompt_logprobs,
@@ -180,13 +192,13 @@ class CompletionRequest(_Sampling):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens must be >= 1 (0 only with echo)")
         plp = self.prompt_logprobs
         if self.echo and (self.logprobs is not None or self.max_tokens == 0):  # echo needs them
             plp = max(self.logprobs or 0, plp or 0)
-        return self._params(self.max_tokens, self.logprobs, plp)
+        return self._params(self.max_tokens, self.logprobs, plp, defaults)
 
 
 class ContentPart(_Body):
@@ -238,9 +250,9 @@ class ChatCompletionRequest(_Sampling):
     def effective_tool_choice(self) -> ToolChoice:
         return choose(self.tools, self.tool_choice)
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         n = (self.top_logprobs or 0) if self.logprobs else None
-        p = self._params(self.max_completion_tokens or self.max_tokens, n)
+        p = self._params(self.max_completion_tokens or self.max_tokens, n, None, defaults)
         so = constraint(self.tools or [], self.effective_tool_choice(), self.parallel_tool_calls is not False)
         if so is not None:
             if p.structured_outputs is not None:

@@ -22,6 +22,7 @@ from ferryman.attention.base import AttentionBackend
 from ferryman.models.config import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCHITECTURES
 from ferryman.models.config import ModelConfig as ModelConfig
 from ferryman.models.rope import rope_parameters
+from ferryman.models.tensor_parallel import Shard, TensorParallel, embed, shard_of, shard_tensor
 
 PACK_ROWS_HINT = 16  # oneDNN picks the packed layout for this many rows; measured best for 1..2048
 
@@ -98,10 +99,12 @@ def _checkpoint_names(key: str) -> list[str]:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, idx: int) -> None:
+    """One layer, or one rank's slice of it (``s``; ``tp`` sums the row-parallel outputs)."""
+
+    def __init__(self, cfg: ModelConfig, idx: int, s: Shard, tp: TensorParallel) -> None:
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
-        self.idx, self.nq, self.nkv, self.d = idx, cfg.num_heads, cfg.num_kv_heads, d
+        self.idx, self.nq, self.nkv, self.d, self.tp = idx, s.num_heads, s.num_kv_heads, d, tp
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         b = cfg.attention_bias
@@ -109,9 +112,9 @@ class DecoderLayer(nn.Module):
         self.o_proj = Linear(self.nq * d, h, bias=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.inter = cfg.intermediate_size
+        self.inter = s.intermediate_size
         self.gate_up_proj = Linear(h, 2 * self.inter, bias=False)  # gate, then up
-        self.down_proj = Linear(cfg.intermediate_size, h, bias=False)
+        self.down_proj = Linear(self.inter, h, bias=False)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
@@ -125,40 +128,46 @@ class DecoderLayer(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         o = attn.forward(self.idx, q, k, v)
-        x = x + self.o_proj(o.reshape(t, self.nq * self.d))
+        x = x + self.tp.all_reduce(self.o_proj(o.reshape(t, self.nq * self.d)))
         h = self.post_attention_layernorm(x)
         gate, up = self.gate_up_proj(h).split(self.inter, dim=-1)
-        out: torch.Tensor = x + self.down_proj(F.silu(gate) * up)
+        out: torch.Tensor = x + self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
         return out
 
 
 class LlamaForCausalLM(nn.Module):
     """Weights use Hugging Face's names minus the ``model.`` / ``self_attn.`` / ``mlp.`` levels;
-    ``load_hf_state_dict`` maps them."""
+    ``load_hf_state_dict`` maps them. With ``tp``, this rank's slice (``tensor_parallel.py``):
+    the KV heads it holds are ``shard.num_kv_heads``, and logits come back whole on every rank."""
 
     inv_freq: torch.Tensor
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.cfg, self.tp = cfg, tp or TensorParallel()
+        self.shard = s = shard_of(cfg, self.tp)
+        self.embed_tokens = nn.Embedding(s.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, s, self.tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = (
-            None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        )
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, s.vocab_size, bias=False)
         self._tied_head_packed: torch.Tensor | None = None
         inv_freq, self.rope_scale = rope_for(cfg)  # rope_scale: YaRN's cos/sin factor, else 1
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     @classmethod
     def from_tensors(
-        cls, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+        cls,
+        cfg: ModelConfig,
+        tensors: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: TensorParallel | None = None,
     ) -> LlamaForCausalLM:
-        """The model in eval mode on ``device``, built without initialising weights and loaded
-        from Hugging Face-named ``tensors``; the RoPE frequencies stay float32."""
+        """The model (or ``tp``'s rank's slice of it) in eval mode on ``device``, built without
+        initialising weights and loaded from Hugging Face-named ``tensors``; the RoPE
+        frequencies stay float32."""
         with torch.device("meta"):
-            model = cls(cfg)
+            model = cls(cfg, tp)
         model = model.to_empty(device=device).to(dtype)
         model.load_hf_state_dict(tensors)
         model.inv_freq = rope_inv_freq(cfg).to(device)  # to_empty leaves buffers unset
@@ -168,7 +177,7 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of a flat token batch."""
-        x = self.embed_tokens(input_ids)
+        x = embed(input_ids, self.embed_tokens.weight, self.shard, self.tp)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
@@ -188,6 +197,8 @@ class LlamaForCausalLM(nn.Module):
             out = _packed_linear(hidden, self._tied_head_packed, None)
         else:
             out = F.linear(hidden, self.embed_tokens.weight)
+        if self.tp.world > 1:  # every rank's vocabulary slice, without the padding rows
+            out = self.tp.gather_last(out)[:, : self.cfg.vocab_size]
         return out.float()
 
     def pack_cpu_weights(self) -> bool:
@@ -210,6 +221,8 @@ class LlamaForCausalLM(nn.Module):
             name.removeprefix("model.").replace("self_attn.", "").replace("mlp.", ""): t
             for name, t in tensors.items()
         }  # extra tensors (a tied model's lm_head, rotary buffers) are ignored
+        if self.tp.world > 1:
+            given = {n: shard_tensor(n, t, self.cfg, self.shard) for n, t in given.items()}
         sources = {key: _checkpoint_names(key) for key in own}
         missing = sorted(n for names in sources.values() for n in names if n not in given)
         if missing:

@@ -141,8 +141,8 @@ def test_cli_sim_sweep_and_trace(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert main([*common, "--sweep", "preemption_mode=recompute,swap,auto", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     assert out.count("\n| ") == 4 and "| swap |" in out and png.read_bytes()[:4] == b"\x89PNG"
-    with pytest.raises(ValueError, match="KNOB"):
-        main([*common, "--sweep", "colour=red"])
+    assert main([*common, "--sweep", "colour=red"]) == 2  # an error line, not a traceback
+    assert "KNOB" in capsys.readouterr().err
 
 
 def test_json_trace_workload_and_config_json_shape(tmp_path: Path) -> None:
@@ -185,3 +185,39 @@ def test_json_trace_workload_and_config_json_shape(tmp_path: Path) -> None:
         model_shape("no-such-model")
     with pytest.raises(ValueError, match="unknown field"):
         gpu("h100", colour=1)
+
+
+def test_tensor_parallel_roofline_splits_the_work_and_adds_the_collectives() -> None:
+    """One rank of N: FLOPs and weights over N, its share of the KV heads, and (2L + 1) ring
+    all-reduces of the step's hidden states plus the logits' gather over the link."""
+    from ferryman.sim.presets import LINKS, tp_split
+
+    g, shape = gpu("h100"), model_shape("llama-3-70b")
+    one, four = Roofline(g, shape), Roofline(g, shape, tp=4, link=LINKS["pcie"])
+    q, s = np.ones(64, dtype=np.int64), np.full(64, 1000, dtype=np.int64)  # 64 decode rows
+    c1, c4 = one.cost(q, s, 64), four.cost(q, s, 64)
+    assert c4.flops == pytest.approx(c1.flops / 4)
+    kv = shape.kv_bytes_per_token(2) * (64 * 1000 + 64)
+    assert c4.bytes == pytest.approx((c1.bytes - kv) / 4 + kv / 4)  # 8 KV heads: 2 a rank
+    link, h, L, V = LINKS["pcie"], shape.hidden_size, shape.num_layers, shape.vocab_size
+    ring = (2 * L + 1) * (2 * 3 / 4 * 64 * h * 2 / link.bytes_per_s + link.latency_s)
+    assert c4.comm_s == pytest.approx(ring + 3 / 4 * 64 * V * 4 / link.bytes_per_s)
+    assert c1.comm_s == 0 and c4.step_s == pytest.approx(max(c4.compute_s, c4.memory_s) + c4.comm_s + 1e-3)
+    assert tp_split(shape, 16) == 1 / 8  # more ranks than KV heads: one head each, replicated
+    with pytest.raises(ValueError, match="tensor_parallel_size=3"):
+        tp_split(shape, 3)
+
+
+def test_sim_sizes_llama_3_70b_over_ranks() -> None:
+    w = synthetic(200, 4.0, "uniform:128:512", "uniform:64:256", seed=0, vocab=128256)
+    h100, llama = gpu("h100"), model_shape("llama-3-70b")
+    with pytest.raises(ValueError, match="leaves no KV memory"):
+        simulate(h100, llama, w, SimConfig())
+    r = {
+        (tp, link): simulate(h100, llama, w, SimConfig(tensor_parallel_size=tp, interconnect=link))
+        for tp in (4, 8)
+        for link in ("nvlink", "pcie")
+    }
+    assert r[(8, "nvlink")]["num_device_blocks"] > r[(4, "nvlink")]["num_device_blocks"] > 0
+    assert r[(4, "pcie")]["comm_share"] > r[(4, "nvlink")]["comm_share"] > 0
+    assert r[(8, "nvlink")]["tpot_p50_ms"] < r[(4, "nvlink")]["tpot_p50_ms"]

@@ -17,6 +17,14 @@ For one step with rows r = 1..B, each computing ``q_r`` new tokens and ending at
                   bytes / (hbm_bytes_per_s * bandwidth_efficiency)) + step_overhead_s
     swap_s  = (blocks swapped out + in) * block_bytes / host_link_bytes_per_s   (added, not overlapped)
 
+With tensor parallelism over ``N`` ranks (``tp``), the terms above are one rank's: FLOPs and
+weight bytes over ``N``, KV bytes times the share of KV heads a rank holds (``1/N``, or one head
+when there are fewer than ``N``), and the ranks' communication is added, not overlapped:
+
+    comm_s  = (2 L + 1) * allreduce(T * h * b)        (after attention and MLP, and the embedding)
+            + (N - 1) / N * S * V * 4 / link_bytes_per_s    (gathering fp32 logits)
+    allreduce(M) = 2 (N - 1) / N * M / link_bytes_per_s + link_latency_s    (a ring)
+
 A step with nothing scheduled costs only the swap time. Defaults: ``compute_efficiency=0.6``,
 ``bandwidth_efficiency=0.8``, ``step_overhead_s=1 ms`` (launches, sampling and the host's per-step
 work; CUDA graphs bring it down).
@@ -35,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ferryman._core import SchedulerOutput
-from ferryman.sim.presets import GpuSpec, ModelShape
+from ferryman.sim.presets import LINKS, GpuSpec, Interconnect, ModelShape, tp_split
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +53,7 @@ class StepCost:
     compute_s: float
     memory_s: float
     step_s: float
+    comm_s: float = 0.0  # tensor-parallel collectives (included in step_s)
 
 
 class Roofline:
@@ -56,16 +65,23 @@ class Roofline:
         compute_efficiency: float = 0.6,
         bandwidth_efficiency: float = 0.8,
         step_overhead_s: float = 1e-3,
+        tp: int = 1,
+        link: Interconnect = LINKS["nvlink"],
     ) -> None:
         if not (0 < compute_efficiency <= 1 and 0 < bandwidth_efficiency <= 1):
             raise ValueError("efficiencies must be in (0, 1]")
-        self.gpu, self.shape, self.dtype_bytes = gpu, shape, dtype_bytes
+        self.gpu, self.shape, self.dtype_bytes, self.tp, self.link = gpu, shape, dtype_bytes, tp, link
+        kv_share = tp_split(shape, tp)
         L, h, V = shape.num_layers, shape.hidden_size, shape.vocab_size
-        self._linear_flops_per_token = 2.0 * L * shape.params_per_layer
-        self._head_flops_per_sample = 2.0 * h * V
-        self._attn_flops_per_pair = 4.0 * L * shape.num_heads * shape.head_dim
-        self.weight_bytes = float(dtype_bytes * (L * shape.params_per_layer + h * V))
-        self.kv_bytes_per_token = float(shape.kv_bytes_per_token(dtype_bytes))
+        self._linear_flops_per_token = 2.0 * L * shape.params_per_layer / tp
+        self._head_flops_per_sample = 2.0 * h * V / tp
+        self._attn_flops_per_pair = 4.0 * L * shape.num_heads * shape.head_dim / tp
+        self.weight_bytes = float(dtype_bytes * (L * shape.params_per_layer + h * V)) / tp
+        self.kv_bytes_per_token = float(shape.kv_bytes_per_token(dtype_bytes)) * kv_share
+        ring = 2.0 * (tp - 1) / tp / link.bytes_per_s
+        self._allreduce_s_per_token = (2 * L + 1) * ring * h * dtype_bytes  # by tokens in the step
+        self._allreduce_fixed_s = (2 * L + 1) * link.latency_s if tp > 1 else 0.0
+        self._gather_s_per_sample = (tp - 1) / tp * V * 4 / link.bytes_per_s
         self._flops_per_s = gpu.peak_flops * compute_efficiency
         self._bytes_per_s = gpu.hbm_bytes_per_s * bandwidth_efficiency
         self.step_overhead_s = step_overhead_s
@@ -86,8 +102,24 @@ class Roofline:
             + self._attn_flops_per_pair * pairs
         )
         nbytes = self.weight_bytes + self.kv_bytes_per_token * (kv_len + t)
+        return self._step(flops, nbytes, t, num_samples)
+
+    def comm_s(self, tokens: int, num_samples: int) -> float:
+        """One rank's collectives in a step of ``tokens`` tokens and ``num_samples`` samples."""
+        if self.tp == 1:
+            return 0.0
+        return (
+            self._allreduce_fixed_s
+            + self._allreduce_s_per_token * tokens
+            + self._gather_s_per_sample * num_samples
+        )
+
+    def _step(self, flops: float, nbytes: float, tokens: int, num_samples: int) -> StepCost:
         compute_s, memory_s = flops / self._flops_per_s, nbytes / self._bytes_per_s
-        return StepCost(flops, nbytes, compute_s, memory_s, max(compute_s, memory_s) + self.step_overhead_s)
+        comm = self.comm_s(tokens, num_samples)
+        return StepCost(
+            flops, nbytes, compute_s, memory_s, max(compute_s, memory_s) + comm + self.step_overhead_s, comm
+        )
 
     def plan_cost(self, plan: SchedulerOutput) -> StepCost:
         s, t = plan.seq_lens, plan.num_scheduled_tokens
@@ -97,10 +129,7 @@ class Roofline:
                 self._linear_flops_per_token + self._head_flops_per_sample
             ) * t + self._attn_flops_per_pair * kv_len
             nbytes = self.weight_bytes + self.kv_bytes_per_token * (kv_len + t)
-            compute_s, memory_s = flops / self._flops_per_s, nbytes / self._bytes_per_s
-            return StepCost(
-                flops, nbytes, compute_s, memory_s, max(compute_s, memory_s) + self.step_overhead_s
-            )
+            return self._step(flops, nbytes, t, t)
         qo = plan.qo_indptr
         return self.cost(qo[1:] - qo[:-1], s, len(plan.logits_indices))
 

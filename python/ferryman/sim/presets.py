@@ -59,6 +59,38 @@ GPUS: dict[str, GpuSpec] = {
     "l4": GpuSpec("L4 24GB", 121e12, 300 * GB, 25 * GB, 24 * GB),
 }
 
+
+@dataclass(frozen=True, slots=True)
+class Interconnect:
+    """How tensor-parallel ranks talk: an all-reduce's bus bandwidth per GPU (NCCL's "busbw"
+    figure) and a fixed latency per collective. Assumed from published NCCL figures, not
+    measured here: NVLink 4 moves 450 GB/s per direction, all-reduces reach ~80% of it; PCIe Gen5
+    x16 moves 64 GB/s per direction, through host bridges all-reduces reach ~40 GB/s."""
+
+    name: str
+    bytes_per_s: float
+    latency_s: float
+
+
+LINKS: dict[str, Interconnect] = {
+    "nvlink": Interconnect("NVLink 4 (H100/H200 SXM)", 360 * GB, 10e-6),
+    "pcie": Interconnect("PCIe Gen5 x16", 40 * GB, 25e-6),
+}
+
+
+def tp_split(shape: ModelShape, tp: int) -> float:
+    """The share of the KV heads one of ``tp`` ranks holds (one head each when there are fewer
+    heads than ranks: replicated); ``ValueError`` when the model does not split that way (the
+    rule of ``ferryman.models.tensor_parallel``)."""
+    nq, nkv, inter = shape.num_heads, shape.num_kv_heads, shape.intermediate_size
+    if tp < 1 or nq % tp or inter % tp or (nkv % tp and tp % nkv):
+        raise ValueError(
+            f"tensor_parallel_size={tp} must divide {shape.name}'s {nq} heads and intermediate size "
+            f"{inter}, and divide or be a multiple of its {nkv} KV heads"
+        )
+    return max(nkv // tp, 1) / nkv
+
+
 MODEL_SHAPES: dict[str, ModelShape] = {
     "llama-3-8b": ModelShape("Llama-3-8B", 32, 4096, 32, 8, 128, 14336, 128256),
     "llama-3-70b": ModelShape("Llama-3-70B", 80, 8192, 64, 8, 128, 28672, 128256),

@@ -6,8 +6,9 @@ Each iteration: admit the requests that have arrived by now, ``schedule()``, pri
 EOS, so every request ends at its ``output_len``). When nothing is running or waiting the clock
 jumps to the next arrival.
 
-Pool sizes follow a GPU deployment: device KV = ``memory * gpu_memory_utilization`` minus the
-weights and an activation reserve (``max_num_batched_tokens * (8 h + 2 I) * b`` plus fp32 logits
+Pool sizes follow a GPU deployment (one rank's with ``tensor_parallel_size`` > 1: its share of
+the weights and of every block's KV heads): device KV = ``memory * gpu_memory_utilization`` minus
+the weights and an activation reserve (``max_num_batched_tokens * (8 h + 2 I) * b`` plus fp32 logits
 for ``max_num_seqs`` rows), host KV = ``swap_space`` GiB. The core's ``auto`` cost model gets
 what start-up calibration would measure there: the exact bytes per block, the GPU's host-link
 bandwidth, and the roofline's prefill rate at the token budget.
@@ -25,7 +26,7 @@ from ferryman._core import RequestParams, Scheduler
 from ferryman.engine_args import SchedulerArgs, at_least, in_unit_interval, knob
 from ferryman.outputs import PreemptionEvent, StepStats
 from ferryman.sim.cost import Roofline
-from ferryman.sim.presets import GpuSpec, ModelShape
+from ferryman.sim.presets import LINKS, GpuSpec, ModelShape, tp_split
 from ferryman.sim.workload import Workload
 from ferryman.trace import TraceWriter, step_record
 
@@ -43,6 +44,10 @@ class SimConfig(SchedulerArgs):
         0.8, "share of peak HBM bandwidth a step reaches", check=in_unit_interval
     )
     step_overhead_s: float = knob(1e-3, "fixed host time per step, seconds", check=at_least(0))
+    tensor_parallel_size: int = knob(
+        1, "GPUs one model is split over (tensor parallelism)", check=at_least(1)
+    )
+    interconnect: str = knob("nvlink", "how the tensor-parallel GPUs talk", choices=("nvlink", "pcie"))
 
     def budget(self, max_model_len: int) -> int:
         """The step's token budget on the simulated GPU."""
@@ -54,10 +59,11 @@ def pool_sizes(
 ) -> tuple[int, int, int]:
     """(device blocks, host blocks, bytes per block) for this deployment; the activation reserve
     is sized for ``budget`` tokens a step (default: ``cfg``'s budget at its ``max_model_len``)."""
-    b = cfg.dtype_bytes
-    block_bytes = shape.kv_bytes_per_token(b) * cfg.block_size
+    b, tp = cfg.dtype_bytes, cfg.tensor_parallel_size
+    # one rank's: its share of the KV heads, of the weights; every rank holds every block's slice
+    block_bytes = int(shape.kv_bytes_per_token(b) * cfg.block_size * tp_split(shape, tp))
     if cfg.num_device_blocks is None:
-        weights = shape.num_params * b
+        weights = shape.num_params * b / tp
         h, inter = shape.hidden_size, shape.intermediate_size
         activations = (budget or cfg.budget(cfg.max_model_len or 0)) * (
             8 * h + 2 * inter
@@ -121,8 +127,17 @@ def simulate(
     """Runs the workload to completion; returns the report (throughput, latency percentiles,
     preemptions by mode, bytes swapped, recomputed tokens, KV utilisation)."""
     cfg = cfg or SimConfig()
+    if cfg.interconnect not in LINKS:
+        raise ValueError(f"interconnect must be one of {sorted(LINKS)}, got {cfg.interconnect!r}")
     roof = Roofline(
-        gpu, shape, cfg.dtype_bytes, cfg.compute_efficiency, cfg.bandwidth_efficiency, cfg.step_overhead_s
+        gpu,
+        shape,
+        cfg.dtype_bytes,
+        cfg.compute_efficiency,
+        cfg.bandwidth_efficiency,
+        cfg.step_overhead_s,
+        cfg.tensor_parallel_size,
+        LINKS[cfg.interconnect],
     )
     longest = int((work.prompt_len + work.output_len).max())
     max_model_len = cfg.max_model_len or longest
@@ -142,7 +157,7 @@ def simulate(
     n = len(work)
     step_ids: list[np.ndarray] = []  # requests that got a token in each step, and when
     step_clock: list[float] = []
-    clock, nxt, steps, busy_s, kv_used_s, swap_s_total = 0.0, 0, 0, 0.0, 0.0, 0.0
+    clock, nxt, steps, busy_s, kv_used_s, swap_s_total, comm_s_total = 0.0, 0, 0, 0.0, 0.0, 0.0, 0.0
     started = time.perf_counter()
     out_len = work.output_len
     tokens = np.full(cfg.max_num_seqs, _TOKEN, dtype=np.int32)  # the dummy sample of every row
@@ -169,6 +184,7 @@ def simulate(
         steps += 1
         busy_s += dt
         swap_s_total += swap_s
+        comm_s_total += cost.comm_s
         kv_used_s += dt * (1.0 - plan.num_free_device_blocks / device)
         res = sched.update(tokens[: len(plan.logits_indices)])
         step_ids.append(res.req_ids)
@@ -213,6 +229,8 @@ def simulate(
         "swap_fallbacks": st["num_swap_fallbacks"],
         "bytes_swapped": (st["num_blocks_swapped_out"] + st["num_blocks_swapped_in"]) * block_bytes,
         "swap_time_s": round(swap_s_total, 4),
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "comm_share": round(comm_s_total / busy_s, 4) if busy_s else 0.0,  # of busy time
         "tokens_recomputed": st["num_tokens_recomputed"],
         "prefix_cache_hit_rate": round(st["prefix_cache_hits"] / max(1, st["prefix_cache_queries"]), 4),
         "kv_utilization": round(kv_used_s / busy_s, 4) if busy_s else 0.0,

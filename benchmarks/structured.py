@@ -18,7 +18,6 @@ per-token figures only).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import tempfile
@@ -26,11 +25,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tiny import tiny_model
+
 import ferryman.worker.sampling_table as st
 from ferryman.engine import Engine
 from ferryman.sampling_params import SamplingParams, StructuredOutputsParams
 
-ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -46,14 +46,6 @@ KINDS = {
     "regex": StructuredOutputsParams(regex=r"(19|20)[0-9]{2}-[01][0-9]-[0-3][0-9], [A-Z][a-z]{2,12}"),
     "choice": StructuredOutputsParams(choice=["positive", "negative", "neutral", "mixed"]),
 }
-
-
-def tiny_model(root: Path) -> str:
-    spec = importlib.util.spec_from_file_location("tiny_models", ROOT / "tests/python/tiny_models.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return str(mod.build("llama", root, tokenizer=True))
 
 
 def run(eng: Engine, so: StructuredOutputsParams | None, n: int, max_tokens: int) -> dict[str, Any]:

@@ -159,6 +159,9 @@ class EngineArgs(SchedulerArgs):
         "with CUDA; off on CPU, where the forward dwarfs the host work and it measured no gain)",
     )
     seed: int = knob(0, "engine seed: sampling seeds of requests that bring none")
+    tensor_parallel_size: int = knob(
+        1, "processes one model is split over (tensor parallelism; CPU with gloo for now)", check=at_least(1)
+    )
     calibrate: bool = knob(True, "measure the host link and prefill rate at start-up for the cost model")
 
 

@@ -15,6 +15,7 @@ import numpy as np
 from ferryman._core import Scheduler
 from ferryman.output_processor import OutputProcessor
 from ferryman.outputs import RequestOutput
+from ferryman.worker.tp_workers import RankFailedError
 
 MAX_STEP_FAILURES = 3  # failed steps within FAILURE_WINDOW_S that mark the engine dead
 FAILURE_WINDOW_S = 60.0
@@ -48,6 +49,8 @@ class FaultsMixin:
         requests it scheduled or preempted (a swap-out it planned may not have run), then
         applies it with every sample dropped. Raises ``EngineDeadError`` when too many steps
         failed lately."""
+        if isinstance(error, RankFailedError):  # a tensor-parallel rank is gone: nothing can run
+            raise EngineDeadError(str(error)) from error
         now = time.monotonic()
         self._failures.append(now)
         while self._failures[0] < now - FAILURE_WINDOW_S:

@@ -17,13 +17,16 @@ from typing import Any
 
 import torch
 
-from ferryman._core import Scheduler
+from ferryman._core import InvalidRequestError, Scheduler
 from ferryman.engine_args import EngineArgs
 from ferryman.model_loader import check_context, generation_defaults, load_model, resolve_model_path
 from ferryman.models.llama import LlamaForCausalLM
+from ferryman.models.tensor_parallel import TensorParallel
 from ferryman.worker.calibrate import host_link_bytes_per_s, prefill_tokens_per_s, profile_kv_blocks
 from ferryman.worker.kv_cache import KvCache
 from ferryman.worker.model_runner import ModelRunner
+from ferryman.worker.tp_workers import RankSpec, free_port
+from ferryman.worker.tp_workers import start as start_ranks
 
 
 @dataclass(slots=True)
@@ -34,7 +37,7 @@ class EngineParts:
     tokenizer: Any  # a transformers tokenizer, or None for a model without one
     max_model_len: int
     kv: KvCache
-    runner: ModelRunner
+    runner: ModelRunner  # with tensor parallelism, rank 0's (a TensorParallelRunner)
     scheduler: Scheduler
     calibration: dict[str, float]  # what start-up measured for the cost model
     calibration_s: float
@@ -58,9 +61,15 @@ def build_parts(args: EngineArgs) -> EngineParts:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     path = resolve_model_path(args.model)
-    model, tokenizer = load_model(path, dtype, device)
+    n = args.tensor_parallel_size
+    if n > 1 and device.type != "cpu":
+        raise InvalidRequestError(
+            "tensor_parallel_size > 1 runs on CPU (gloo) for now; CUDA is not wired yet"
+        )
+    model, tokenizer = load_model(path, dtype, device, TensorParallel(0, n))
     mc, block_size = model.cfg, args.block_size
-    bpb = KvCache.bytes_per_block(mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, dtype)
+    # one rank's KV heads of a block (all of them without tensor parallelism)
+    bpb = KvCache.bytes_per_block(mc.num_layers, block_size, model.shard.num_kv_heads, mc.head_dim, dtype)
     max_model_len = check_context(mc, args.max_model_len)
     budget = args.token_budget(device.type, max_model_len)
     num_device_blocks = args.num_device_blocks
@@ -73,29 +82,37 @@ def build_parts(args: EngineArgs) -> EngineParts:
     num_host_blocks = args.num_host_blocks
     if num_host_blocks is None:
         num_host_blocks = int(args.swap_space * (1 << 30)) // bpb
-    kv = KvCache(
-        mc.num_layers,
-        num_device_blocks,
-        num_host_blocks,
-        block_size,
-        mc.num_kv_heads,
-        mc.head_dim,
-        dtype,
-        device,
-    )
-    runner = ModelRunner(
-        model,
-        kv,
-        block_size,
-        device,
-        args.attention_backend,
-        enforce_eager=args.enforce_eager,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=max_model_len,
-    )
+    if n > 1:  # ranks 1..n-1 in worker processes; rank 0's runner sends them each plan
+        spec = RankSpec(
+            str(path), str(dtype).removeprefix("torch."), n, f"tcp://127.0.0.1:{free_port()}", block_size,
+            num_device_blocks, num_host_blocks, args.max_num_seqs, max_model_len, args.attention_backend,
+        )  # fmt: skip
+        runner: Any = start_ranks(spec, model)
+        kv = runner.kv
+    else:
+        kv = KvCache(
+            mc.num_layers,
+            num_device_blocks,
+            num_host_blocks,
+            block_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            dtype,
+            device,
+        )
+        runner = ModelRunner(
+            model,
+            kv,
+            block_size,
+            device,
+            args.attention_backend,
+            enforce_eager=args.enforce_eager,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=max_model_len,
+        )
     calibration: dict[str, float] = {}
     started = time.perf_counter()
-    if args.calibrate:
+    if args.calibrate and n == 1:  # calibration's forwards run on one rank: not with tensor parallelism
         link = host_link_bytes_per_s(kv, bpb)
         if link is not None:
             calibration["host_link_bytes_per_s"] = link
@@ -107,7 +124,7 @@ def build_parts(args: EngineArgs) -> EngineParts:
             num_host_blocks=num_host_blocks,
             max_model_len=max_model_len,
             max_num_batched_tokens=budget,
-            async_scheduling=overlap(args, device),
+            async_scheduling=overlap(args, device) and n == 1,
             bytes_per_block=float(bpb),
             **calibration,
         )

@@ -40,6 +40,7 @@ import torch
 from ferryman.models.config import ModelConfig
 from ferryman.models.llama import LlamaForCausalLM
 from ferryman.models.rope import yarn_attention_factor
+from ferryman.models.tensor_parallel import TensorParallel
 
 CONVERSION_VERSION = b"ferryman-gguf-2"  # bump when what ``convert`` produces changes
 
@@ -142,9 +143,11 @@ def cache_dir(path: Path) -> Path:
     return root / "gguf" / h.hexdigest()
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, Any]:
-    """Returns the model (eval mode) and its tokenizer (with the file's chat template), from the
-    conversion cache when it holds this file."""
+def load_gguf(
+    path: str | Path, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None
+) -> tuple[LlamaForCausalLM, Any]:
+    """Returns the model (eval mode; ``tp``'s rank's slice) and its tokenizer (with the file's
+    chat template), from the conversion cache when it holds this file."""
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
@@ -154,11 +157,11 @@ def load_gguf(path: str | Path, dtype: torch.dtype, device: torch.device) -> tup
         cfg = ModelConfig(**json.loads((cache / "config.json").read_text()))
         tokenizer = AutoTokenizer.from_pretrained(str(cache / "tokenizer"))
         return LlamaForCausalLM.from_tensors(
-            cfg, load_file(cache / "model.safetensors"), dtype, device
+            cfg, load_file(cache / "model.safetensors"), dtype, device, tp
         ), tokenizer
     cfg, tensors, tokenizer = convert(path)
     _store(cache, cfg, tensors, tokenizer)
-    return LlamaForCausalLM.from_tensors(cfg, tensors, dtype, device), tokenizer
+    return LlamaForCausalLM.from_tensors(cfg, tensors, dtype, device, tp), tokenizer
 
 
 def _store(cache: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], tokenizer: Any) -> None:

@@ -22,6 +22,7 @@ from ferryman._core import InvalidRequestError
 from ferryman.engine_args import DEFAULT_MODEL
 from ferryman.models.config import ModelConfig
 from ferryman.models.llama import LlamaForCausalLM
+from ferryman.models.tensor_parallel import TensorParallel
 
 
 class ModelLoadError(ValueError):
@@ -83,25 +84,28 @@ def hub_snapshot(repo_id: str) -> Path:
     return Path(folder)
 
 
-def load_model(model: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, Any]:
+def load_model(
+    model: str | Path, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None
+) -> tuple[LlamaForCausalLM, Any]:
     """Model and tokenizer (or ``None``) from a model name, a ``.gguf`` file or an HF folder."""
     from ferryman.gguf_loader import load_gguf
 
     path = resolve_model_path(model)
     if path.is_file() and path.suffix == ".gguf":
         try:
-            return load_gguf(path, dtype, device)
+            return load_gguf(path, dtype, device, tp)
         except (KeyError, ValueError) as e:
             raise ModelLoadError(f"{path}: not a GGUF model ferryman can load: {e}") from e
     if path.is_dir():
-        return load_hf_folder(path, dtype, device)
+        return load_hf_folder(path, dtype, device, tp)
     raise ModelLoadError(f"{path}: no such model; expected 'smollm2', a .gguf file or a Hugging Face folder")
 
 
 def load_hf_folder(
-    path: str | Path, dtype: torch.dtype, device: torch.device
+    path: str | Path, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None
 ) -> tuple[LlamaForCausalLM, Any]:
-    """Returns the model (eval mode, on ``device``) and a tokenizer or ``None``."""
+    """Returns the model (eval mode, on ``device``; ``tp``'s rank's slice) and a tokenizer or
+    ``None``."""
     from safetensors.torch import load_file
 
     root = Path(path)
@@ -122,7 +126,7 @@ def load_hf_folder(
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         tensors.update(load_file(str(root / f)))
-    return LlamaForCausalLM.from_tensors(cfg, tensors, dtype, device), _tokenizer(root)
+    return LlamaForCausalLM.from_tensors(cfg, tensors, dtype, device, tp), _tokenizer(root)
 
 
 def _tokenizer(root: Path) -> Any:

@@ -1,13 +1,19 @@
-"""Tensor parallelism of the model (``models/tensor_parallel.py``, issue: scale-out, item 1, its
-first part): 2 and 4 ranks over gloo, one process each, give the logits of one rank on tiny Llama
-/ Qwen2 (q/k/v bias, tied embeddings) / Qwen3 (q/k norms, head_dim 24) checkpoints, including
-fewer KV heads than ranks (4 ranks, 2 KV heads: replicated). Attention here is a dense causal
-reference over one sequence, so the check is the split and the collectives alone."""
+"""Tensor parallelism (issue: scale-out, item 1): the model alone (``models/tensor_parallel.py``:
+2 and 4 ranks over gloo, one process each, give the logits of one rank on tiny Llama / Qwen2
+(q/k/v bias, tied embeddings) / Qwen3 (q/k norms, head_dim 24) checkpoints, including fewer KV
+heads than ranks; attention there is a dense reference, so the check is the split and the
+collectives), then the engine over ranks (``worker/tp_workers.py``): the same greedy and seeded
+tokens as one rank under forced preemption (recompute and swap), and a killed rank that leaves
+the engine dead, never hung."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,9 +22,11 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 from tiny_models import build
 
+from ferryman.engine import Engine, EngineDeadError
 from ferryman.models.config import ModelConfig
 from ferryman.models.llama import LlamaForCausalLM
 from ferryman.models.tensor_parallel import TensorParallel, shard_of
+from ferryman.sampling_params import SamplingParams
 
 TOKENS = [3, 17, 42, 5, 88, 61, 7, 29, 30, 2, 55, 90]
 
@@ -77,3 +85,69 @@ def test_shards_cover_the_model_once() -> None:
     assert shards[-1].vocab.stop == 260 and all(s.vocab_size == 65 for s in shards)
     with pytest.raises(ValueError, match="tensor_parallel_size=3"):
         shard_of(cfg, TensorParallel(0, 3))
+
+
+PROMPTS = [[5, 9, 5, 9, 5, 1, 2], [17, 3, 3, 3, 8, 1], [40, 41], [7, 7, 7, 7, 7, 7, 7, 8, 9, 10, 11]]
+
+
+def run(path: Path, world: int, **kw: Any) -> tuple[list[list[int]], dict[str, Any]]:
+    """Greedy and seeded-sampled tokens of every prompt, and the engine's stats."""
+    sp = [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=24, ignore_eos=True, n=2),
+    ]
+    eng = Engine(str(path), calibrate=False, tensor_parallel_size=world, block_size=4, **kw)
+    try:
+        outs = eng.generate(PROMPTS * 2, [sp[0]] * len(PROMPTS) + [sp[1]] * len(PROMPTS))
+        return [o.token_ids for r in outs for o in r.outputs], eng.stats()
+    finally:
+        if world > 1:
+            eng.runner.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("kind", "world", "mode"),
+    [
+        ("llama", 2, "recompute"),
+        ("llama", 2, "swap"),
+        ("llama", 4, "swap"),
+        ("qwen2", 2, "recompute"),
+        ("qwen3", 4, "recompute"),
+    ],
+)
+def test_the_engine_over_ranks_gives_one_ranks_tokens(
+    tmp_path: Path, kind: str, world: int, mode: str
+) -> None:
+    """Greedy and seeded sampling, with a pool small enough to preempt (every rank runs the same
+    swap plans over its own KV heads)."""
+    path = build(kind, tmp_path / "m")
+    tight = {
+        "num_device_blocks": 14,
+        "num_host_blocks": 64,
+        "max_num_batched_tokens": 16,
+        "preemption_mode": mode,
+    }
+    want, _ = run(path, 1)
+    got, st = run(path, world, **tight)
+    assert got == want
+    assert st["num_preemptions"] > 0
+
+
+def test_a_dead_rank_kills_the_engine_not_hangs_it(tmp_path: Path) -> None:
+    path = build("llama", tmp_path / "m")
+    eng = Engine(str(path), calibrate=False, tensor_parallel_size=2)
+    try:
+        eng.add_request("a", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
+        eng.step()
+        worker = eng.runner.procs[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=10)
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError, match="tensor-parallel rank failed"):
+            while eng.has_unfinished_requests():
+                eng.step()
+        assert time.monotonic() - started < 30
+        with pytest.raises(EngineDeadError):
+            eng.step()
+    finally:
+        eng.runner.shutdown()

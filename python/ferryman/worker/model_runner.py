@@ -50,8 +50,8 @@ class ModelRunner:
             kv.layers(),
             block_size=block_size,
             scale=cfg.head_dim**-0.5,
-            num_qo_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads,
+            num_qo_heads=model.shard.num_heads,  # this rank's (tensor parallelism)
+            num_kv_heads=model.shard.num_kv_heads,
             head_dim=cfg.head_dim,
         )
         fi = self.attn if isinstance(self.attn, FlashInferBackend) else None

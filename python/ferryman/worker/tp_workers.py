@@ -1,0 +1,195 @@
+"""Tensor-parallel ranks of one engine (``tensor_parallel_size`` > 1): rank 0 is the engine's own
+process, which schedules, samples and turns tokens into text; ranks 1..N-1 are worker processes
+(``torch.multiprocessing`` spawn) that only run the forward of their slice of the model
+(``models/tensor_parallel.py``) over their own KV pool, which holds their KV heads of every
+block.
+
+Each step's plan (the arrays the runner reads, about twenty small numpy arrays) reaches the
+workers in one ``broadcast_object_list`` from rank 0 before rank 0 runs it; every rank then runs
+the same swap, copy and forward, meeting in the model's all-reduces, and the logits come back
+whole on rank 0 (``ferryman.models.tensor_parallel``). ``plan_send_s`` adds up the broadcasts.
+A ``None`` plan stops the workers.
+
+A rank that dies makes the next collective fail (gloo reports the closed connection; every
+collective has ``TIMEOUT_S`` at most): the step raises ``RankFailedError``, which the engine
+treats as fatal (it reports itself dead; the server fails every open request) rather than a step
+to retry. So is any error of a step here: a rank that raised mid-forward leaves the others inside
+a collective, out of step for good.
+
+Not on this path yet: async scheduling (a decode input in flight is filled from rank 0's sampled
+ids, which the workers do not hold) and start-up calibration (its forwards run on rank 0 alone);
+the engine turns both off. CUDA (NCCL) is not wired: KV profiling runs a forward on one rank.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ferryman.models.tensor_parallel import TensorParallel
+from ferryman.worker.kv_cache import KvCache
+from ferryman.worker.model_runner import ModelRunner
+
+TIMEOUT_S = 60
+PLAN_FIELDS = (
+    "table_rows",
+    "table_cols",
+    "table_blocks",
+    "rows",
+    "seq_lens",
+    "qo_indptr",
+    "kv_indptr",
+    "kv_last_page_len",
+    "input_ids",
+    "inflight_token_indices",
+    "inflight_sample_indices",
+    "logits_indices",
+    "blocks_to_swap_out",
+    "blocks_to_swap_in",
+    "blocks_to_copy",
+    "num_scheduled_tokens",
+)
+
+
+class RankFailedError(RuntimeError):
+    """A tensor-parallel rank stopped answering: the engine cannot go on (``engine_faults``
+    treats it as fatal)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankSpec:
+    """What every rank builds its part from (picklable, sent to the workers at spawn)."""
+
+    model: str
+    dtype: str  # torch dtype name, e.g. "float32"
+    world: int
+    init_method: str
+    block_size: int
+    num_device_blocks: int
+    num_host_blocks: int
+    max_num_seqs: int
+    max_model_len: int
+    attention_backend: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def build_runner(spec: RankSpec, rank: int, model: Any = None) -> ModelRunner:
+    """This rank's KV pool and runner around its model slice (loaded here unless given), on CPU."""
+    from ferryman.model_loader import load_model
+
+    device, dtype = torch.device("cpu"), getattr(torch, spec.dtype)
+    if model is None:
+        model, _ = load_model(spec.model, dtype, device, TensorParallel(rank, spec.world))
+    mc, s = model.cfg, model.shard
+    kv = KvCache(
+        mc.num_layers,
+        spec.num_device_blocks,
+        spec.num_host_blocks,
+        spec.block_size,
+        s.num_kv_heads,
+        mc.head_dim,
+        dtype,
+        device,
+    )
+    return ModelRunner(
+        model,
+        kv,
+        spec.block_size,
+        device,
+        spec.attention_backend,
+        max_num_seqs=spec.max_num_seqs,
+        max_model_len=spec.max_model_len,
+    )
+
+
+def init_rank(spec: RankSpec, rank: int) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=spec.init_method,
+        rank=rank,
+        world_size=spec.world,
+        timeout=timedelta(seconds=TIMEOUT_S),
+    )
+
+
+def worker_main(rank: int, spec: RankSpec) -> None:
+    """A worker rank: build its part, then run every plan rank 0 broadcasts until ``None``."""
+    init_rank(spec, rank)
+    runner = build_runner(spec, rank)
+    try:
+        with torch.inference_mode():
+            while True:
+                box: list[Any] = [None]
+                dist.broadcast_object_list(box, src=0)
+                if box[0] is None:
+                    return
+                fields, also = box[0]
+                runner.execute(SimpleNamespace(**fields), None, also)  # type: ignore[arg-type]
+    finally:
+        dist.destroy_process_group()
+
+
+def start(spec: RankSpec, model: Any) -> TensorParallelRunner:
+    """Spawns ranks 1..N-1, joins them as rank 0 and builds rank 0's runner around ``model``."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=worker_main, args=(r, spec), daemon=True) for r in range(1, spec.world)]
+    for p in procs:
+        p.start()
+    init_rank(spec, 0)
+    return TensorParallelRunner(build_runner(spec, 0, model), procs)
+
+
+class TensorParallelRunner:
+    """Rank 0's runner: starts the workers, sends each plan to them, then runs it here. Anything
+    else (the KV pool, the model, graph counts) is rank 0's runner's."""
+
+    def __init__(self, local: ModelRunner, procs: list[Any]) -> None:
+        self.local, self.procs = local, procs
+        self.plan_send_s, self.num_plans = 0.0, 0
+        atexit.register(self.shutdown)
+
+    def execute(
+        self, out: Any, prev: torch.Tensor | None = None, also: np.ndarray | None = None
+    ) -> torch.Tensor:
+        if len(out.inflight_token_indices):
+            raise RuntimeError("tensor parallelism runs without async scheduling")
+        started = time.perf_counter()
+        try:
+            dist.broadcast_object_list([({f: getattr(out, f) for f in PLAN_FIELDS}, also)], src=0)
+            self.plan_send_s += time.perf_counter() - started
+            self.num_plans += 1
+            return self.local.execute(out, prev, also)
+        except Exception as e:  # a collective failed, or the ranks are out of step: nothing can run
+            dead = [p.pid for p in self.procs if not p.is_alive()]
+            raise RankFailedError(f"a tensor-parallel rank failed (dead worker pids: {dead}): {e!r}") from e
+
+    def shutdown(self) -> None:
+        """Stops the workers (they exit after the ``None`` plan) and leaves the group."""
+        if not dist.is_initialized():
+            return
+        with contextlib.suppress(RuntimeError):  # a worker already gone (gloo raises plain ones)
+            dist.broadcast_object_list([None], src=0)
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        dist.destroy_process_group()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.local, name)

@@ -108,9 +108,10 @@ class Engine(FaultsMixin, OfflineMixin):
         bad = next((t for t in params.logit_bias or () if t >= vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"logit_bias: token id {bad} out of range [0, {vocab})")
-        max_tokens = (
-            params.max_tokens if params.max_tokens is not None else max(1, self.max_model_len - len(ids))
+        room = min(
+            max(1, self.max_model_len - len(ids)), self.generation_defaults.get("max_tokens") or 1 << 62
         )
+        max_tokens = params.max_tokens if params.max_tokens is not None else room  # open: to the model's cap
         kind, grammar = params.structured_outputs.spec() if params.structured_outputs else (None, "")
         record = RequestParams(
             max(1, max_tokens),  # 0 (prompt logprobs only): one token is sampled, not output

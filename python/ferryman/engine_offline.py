@@ -35,8 +35,12 @@ class OfflineMixin:
 
     def default_sampling_params(self) -> SamplingParams:
         """``SamplingParams()`` with the model's ``generation_config.json`` values over ferryman's
-        defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens)."""
-        return SamplingParams(**self.generation_defaults)
+        defaults (temperature, top_p, top_k, min_p, repetition_penalty); its max_new_tokens caps
+        the open length (``max_tokens=None``: up to ``max_model_len``), never raising it past."""
+        d = dict(self.generation_defaults)
+        if d.pop("max_tokens", None) is not None:
+            d["max_tokens"] = None  # the engine caps it: min(its max_new_tokens, the room left)
+        return SamplingParams(**d)
 
     def generate(
         self,

@@ -11,6 +11,7 @@ Invariant: the scheduler's pool sizes, block size and ``bytes_per_block`` are th
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,6 +87,7 @@ def build_parts(args: EngineArgs) -> EngineParts:
         spec = RankSpec(
             str(path), str(dtype).removeprefix("torch."), n, f"tcp://127.0.0.1:{free_port()}", block_size,
             num_device_blocks, num_host_blocks, args.max_num_seqs, max_model_len, args.attention_backend,
+            float(os.environ.get("FERRYMAN_TEST_TP_TIMEOUT_S") or 60),
         )  # fmt: skip
         runner: Any = start_ranks(spec, model)
         kv = runner.kv

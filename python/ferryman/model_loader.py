@@ -22,7 +22,7 @@ from ferryman._core import InvalidRequestError
 from ferryman.engine_args import DEFAULT_MODEL
 from ferryman.models.config import ModelConfig
 from ferryman.models.llama import LlamaForCausalLM
-from ferryman.models.tensor_parallel import TensorParallel
+from ferryman.models.tensor_parallel import TensorParallel, our_name, shard_of, shard_range, take
 
 
 class ModelLoadError(ValueError):
@@ -124,9 +124,27 @@ def load_hf_folder(
     if not files:
         raise ModelLoadError(f"{root}: no *.safetensors weights found")
     tensors: dict[str, torch.Tensor] = {}
+    if tp is not None and tp.world > 1:  # read only this rank's slices from the files
+        tensors = read_shard(root, files, cfg, tp)
+        return LlamaForCausalLM.from_tensors(cfg, tensors, dtype, device, tp, sliced=True), _tokenizer(root)
     for f in files:
         tensors.update(load_file(str(root / f)))
     return LlamaForCausalLM.from_tensors(cfg, tensors, dtype, device, tp), _tokenizer(root)
+
+
+def read_shard(root: Path, files: list[str], cfg: ModelConfig, tp: TensorParallel) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint as rank ``tp.rank`` holds it, read slice by slice (the rest
+    of the file is never read into memory)."""
+    from safetensors import safe_open
+
+    s = shard_of(cfg, tp)
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(root / f), framework="pt") as fh:
+            for name in fh.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                sl = fh.get_slice(name)
+                out[name] = take(sl, tuple(sl.get_shape()), shard_range(our_name(name), cfg, s))
+    return out
 
 
 def _tokenizer(root: Path) -> Any:

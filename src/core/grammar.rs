@@ -115,11 +115,14 @@ impl GrammarCompiler {
     /// A fresh matcher for `spec`, or the reason the spec does not compile.
     pub fn compile(&self, spec: &GrammarSpec) -> Result<Grammar, String> {
         let parser = self.factory.create_parser(spec.to_top_level()?).map_err(|e| e.to_string())?;
-        let matcher = Matcher::new(Ok(parser));
-        match matcher.get_error() {
-            Some(e) => Err(e),
-            None => Ok(Grammar { matcher, eos: self.eos }),
+        let mut matcher = Matcher::new(Ok(parser));
+        if let Some(e) = matcher.get_error() {
+            return Err(e);
         }
+        // some grammars compile yet cannot give a first mask (a `$ref` to itself, a rule that
+        // only recurses): refused here, at admission, not as an empty answer later
+        matcher.compute_mask().map_err(|e| e.to_string())?;
+        Ok(Grammar { matcher, eos: self.eos })
     }
 }
 
@@ -230,7 +233,16 @@ mod tests {
     #[test]
     fn bad_specs_are_errors() {
         let (c, _) = compiler();
-        for (kind, data) in [("json", "{"), ("json", "3"), ("choice", "[]"), ("regex", "("), ("xml", "")] {
+        let bad = [
+            ("json", "{"),
+            ("json", "3"),
+            ("json", r##"{"$ref": "#"}"##),
+            ("choice", "[]"),
+            ("regex", "("),
+            ("lark", "start: start"),
+            ("xml", ""),
+        ];
+        for (kind, data) in bad {
             assert!(c.compile(&GrammarSpec { kind: kind.into(), data: data.into() }).is_err(), "{kind} {data}");
         }
     }

@@ -255,11 +255,13 @@ def test_generation_config_gives_the_default_sampling_params(tmp_path: Path) -> 
     )
     eng = Engine(str(path), num_device_blocks=32, calibrate=False)
     assert eng.generation_defaults == {**given, "max_tokens": 5}
-    assert eng.default_sampling_params() == SamplingParams(**given, max_tokens=5)
+    assert eng.default_sampling_params() == SamplingParams(**given, max_tokens=None)  # capped at 5
     prompts = [[1, 2, 3, 4], [9, 8, 7]]
     got = [o.outputs[0].token_ids for o in eng.generate(prompts)]
     assert [len(g) for g in got] == [5, 5]
     want = eng.generate(prompts, SamplingParams(**given, max_tokens=5))
+    big = Engine(str(path), num_device_blocks=64, calibrate=False, max_model_len=8)
+    assert [len(o.outputs[0].token_ids) for o in big.generate(prompts)] == [4, 5]  # the room left wins
     assert got == [o.outputs[0].token_ids for o in want]
 
 
@@ -298,5 +300,9 @@ def test_the_server_fills_unset_fields_from_generation_config() -> None:
         d
     )
     assert (p.temperature, p.max_tokens) == (0.3, 3)
+    p = ChatCompletionRequest.model_validate({"messages": msgs}).sampling_params(d)
+    assert p.max_tokens is None  # open: the engine caps it with the model's 9 and max_model_len
+    p = CompletionRequest.model_validate({"prompt": "x", "max_tokens": 50}).sampling_params(d)
+    assert p.max_tokens == 50  # a length the request sets is never capped by the defaults
     p = ChatCompletionRequest.model_validate({"messages": msgs}).sampling_params(None)
     assert (p.temperature, p.top_k, p.max_tokens) == (1.0, -1, None)

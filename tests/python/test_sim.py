@@ -201,7 +201,7 @@ def test_tensor_parallel_roofline_splits_the_work_and_adds_the_collectives() -> 
     assert c4.bytes == pytest.approx((c1.bytes - kv) / 4 + kv / 4)  # 8 KV heads: 2 a rank
     link, h, L, V = LINKS["pcie"], shape.hidden_size, shape.num_layers, shape.vocab_size
     ring = (2 * L + 1) * (2 * 3 / 4 * 64 * h * 2 / link.bytes_per_s + link.latency_s)
-    assert c4.comm_s == pytest.approx(ring + 3 / 4 * 64 * V * 4 / link.bytes_per_s)
+    assert c4.comm_s == pytest.approx(ring + 3 / 4 * 64 * V * 2 / link.bytes_per_s + link.latency_s)
     assert c1.comm_s == 0 and c4.step_s == pytest.approx(max(c4.compute_s, c4.memory_s) + c4.comm_s + 1e-3)
     assert tp_split(shape, 16) == 1 / 8  # more ranks than KV heads: one head each, replicated
     with pytest.raises(ValueError, match="tensor_parallel_size=3"):

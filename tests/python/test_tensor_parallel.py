@@ -151,3 +151,20 @@ def test_a_dead_rank_kills_the_engine_not_hangs_it(tmp_path: Path) -> None:
             eng.step()
     finally:
         eng.runner.shutdown()
+
+
+def test_an_idle_engine_stays_alive_past_the_collective_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Workers wait for the next plan on a group without timeout: idling longer than the
+    forward's collective timeout (2 s here) kills nothing (the review's finding)."""
+    monkeypatch.setenv("FERRYMAN_TEST_TP_TIMEOUT_S", "2")
+    path = build("llama", tmp_path / "m")
+    eng = Engine(str(path), calibrate=False, tensor_parallel_size=2)
+    try:
+        sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        first = eng.generate([PROMPTS[0]], sp)[0].outputs[0].token_ids
+        time.sleep(4)
+        assert eng.generate([PROMPTS[0]], sp)[0].outputs[0].token_ids == first
+    finally:
+        eng.runner.shutdown()

@@ -18,7 +18,8 @@ from test_server import Server, sse
 from tiny_models import build
 
 from ferryman.server import tools
-from ferryman.server.tools import NamedToolChoice, Streamer, parse
+from ferryman.server.tool_calls import Streamer, parse
+from ferryman.server.tools import NamedToolChoice
 
 WEATHER = {
     "type": "object",
@@ -55,7 +56,7 @@ HERMES = (
 @pytest.mark.parametrize(
     ("text", "choice", "parser", "content", "calls"),
     [
-        (HERMES, "auto", "hermes", "Let me check.", [("get_weather", {"city": "Oslo"}), ("ping", {})]),
+        (HERMES, "auto", "hermes", "Let me check.\n", [("get_weather", {"city": "Oslo"}), ("ping", {})]),
         # the model ended (EOS) without closing the tag
         ('<tool_call>{"name": "ping", "arguments": {}}', "auto", "hermes", None, [("ping", {})]),
         ("<tool_call>{not json}</tool_call>", "auto", "hermes", "<tool_call>{not json}</tool_call>", []),
@@ -64,6 +65,9 @@ HERMES = (
         ('<|python_tag|>{"name": "ping", "parameters": {}}; {"name": "get_weather", "parameters": '
          '{"days": 2}}', "auto", "llama3_json", None, [("ping", {}), ("get_weather", {"days": 2})]),
         ('{"name": 3}', "auto", "llama3_json", '{"name": 3}', []),
+        # a ";" inside an argument is not a separator (the review's finding)
+        ('{"name": "sql", "parameters": {"q": "SELECT 1; SELECT 2"}}', "auto", "llama3_json", None,
+         [("sql", {"q": "SELECT 1; SELECT 2"})]),
         ('[{"name": "ping", "parameters": {}}]', "required", "hermes", None, [("ping", {})]),
         ('{"city": "Rome", "unit": "c", "days": 1}', named("get_weather"), "hermes", None,
          [("get_weather", {"city": "Rome", "unit": "c", "days": 1})]),
@@ -77,8 +81,29 @@ def test_parse_whole_and_streamed(
     s = Streamer(choice, parser)
     streamed = "".join(s.feed(ch) for ch in text)  # one character per delta: the worst split
     rest, streamed_calls = s.finish()
-    assert (streamed + rest).strip() == (content or "").strip()
+    assert streamed + rest == (content or "")  # streamed content is the whole answer's
     assert [(c.name, c.arguments) for c in streamed_calls] == [(c.name, c.arguments) for c in got]
+
+
+def test_required_keeps_each_tools_defs_resolvable() -> None:
+    """A tool whose parameters use ``$defs`` (pydantic's shape) nested in the list of calls: the
+    definitions move to the root and the references follow (the review's finding: a 400 before)."""
+    import jsonschema
+
+    from ferryman.server.tools import Tool, constraint
+
+    params = {"type": "object", "properties": {"at": {"$ref": "#/$defs/Loc"}}, "required": ["at"],
+              "$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
+    ts = [
+        Tool.model_validate({"type": "function", "function": {"name": f, "parameters": params}})
+        for f in ("a", "b")
+    ]
+    so = constraint(ts, "required")
+    assert so is not None and isinstance(so.json, dict)
+    assert set(so.json["$defs"]) == {"a__Loc", "b__Loc"}
+    jsonschema.validate([{"name": "a", "parameters": {"at": {"city": "Oslo"}}}], so.json)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "a", "parameters": {"at": {"city": 3}}}], so.json)
 
 
 def test_a_tag_prefix_is_held_until_it_is_not_a_tag() -> None:

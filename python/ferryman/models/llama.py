@@ -22,7 +22,7 @@ from ferryman.attention.base import AttentionBackend
 from ferryman.models.config import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCHITECTURES
 from ferryman.models.config import ModelConfig as ModelConfig
 from ferryman.models.rope import rope_parameters
-from ferryman.models.tensor_parallel import Shard, TensorParallel, embed, shard_of, shard_tensor
+from ferryman.models.tensor_parallel import Shard, TensorParallel, embed, our_name, shard_of, shard_tensor
 
 PACK_ROWS_HINT = 16  # oneDNN picks the packed layout for this many rows; measured best for 1..2048
 
@@ -162,14 +162,15 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         tp: TensorParallel | None = None,
+        sliced: bool = False,
     ) -> LlamaForCausalLM:
         """The model (or ``tp``'s rank's slice of it) in eval mode on ``device``, built without
         initialising weights and loaded from Hugging Face-named ``tensors``; the RoPE
-        frequencies stay float32."""
+        frequencies stay float32. ``sliced``: the tensors are that rank's slices already."""
         with torch.device("meta"):
             model = cls(cfg, tp)
         model = model.to_empty(device=device).to(dtype)
-        model.load_hf_state_dict(tensors)
+        model.load_hf_state_dict(tensors, sliced)
         model.inv_freq = rope_inv_freq(cfg).to(device)  # to_empty leaves buffers unset
         return model.eval()
 
@@ -214,14 +215,12 @@ class LlamaForCausalLM(nn.Module):
             self._tied_head_packed = _pack(w)  # the embedding keeps its plain weight for lookups
         return True
 
-    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor], sliced: bool = False) -> None:
         """Loads weights named as in a Hugging Face checkpoint; names every missing tensor."""
         own = self.state_dict()
-        given = {
-            name.removeprefix("model.").replace("self_attn.", "").replace("mlp.", ""): t
-            for name, t in tensors.items()
-        }  # extra tensors (a tied model's lm_head, rotary buffers) are ignored
-        if self.tp.world > 1:
+        given = {our_name(name): t for name, t in tensors.items()}
+        # extra tensors (a tied model's lm_head, rotary buffers) are ignored
+        if self.tp.world > 1 and not sliced:
             given = {n: shard_tensor(n, t, self.cfg, self.shard) for n, t in given.items()}
         sources = {key: _checkpoint_names(key) for key in own}
         missing = sorted(n for names in sources.values() for n in names if n not in given)

@@ -90,30 +90,48 @@ def shard_of(cfg: ModelConfig, tp: TensorParallel) -> Shard:
     )
 
 
-def shard_tensor(name: str, t: torch.Tensor, cfg: ModelConfig, s: Shard) -> torch.Tensor:
-    """This rank's slice of checkpoint tensor ``name`` (our names: ``layers.N.q_proj.weight``)."""
+def our_name(checkpoint_name: str) -> str:
+    """A checkpoint tensor's name as the model's loader uses it (``layers.N.q_proj.weight``)."""
+    return checkpoint_name.removeprefix("model.").replace("self_attn.", "").replace("mlp.", "")
+
+
+def shard_range(name: str, cfg: ModelConfig, s: Shard) -> tuple[int, int, int] | None:
+    """(dimension, start, stop) of this rank's slice of tensor ``name`` (our names), or None for
+    a tensor every rank holds whole (norms). A vocabulary range may run past the tensor's rows:
+    the rest is zero padding."""
     d = cfg.head_dim
     kind = name.split(".")[-2] if name.startswith("layers.") else name.split(".")[0]
+    ranges = {
+        "q_proj": (0, s.q_heads.start * d, s.q_heads.stop * d),
+        "k_proj": (0, s.kv_heads.start * d, s.kv_heads.stop * d),
+        "v_proj": (0, s.kv_heads.start * d, s.kv_heads.stop * d),
+        "o_proj": (1, s.q_heads.start * d, s.q_heads.stop * d),
+        "gate_proj": (0, s.inter.start, s.inter.stop),
+        "up_proj": (0, s.inter.start, s.inter.stop),
+        "down_proj": (1, s.inter.start, s.inter.stop),
+        "embed_tokens": (0, s.vocab.start, s.vocab.stop),
+        "lm_head": (0, s.vocab.start, s.vocab.stop),
+    }
+    return ranges.get(kind)
 
-    def rows(r: range, unit: int = 1) -> torch.Tensor:
-        return t[r.start * unit : r.stop * unit]
 
-    if kind == "q_proj":
-        return rows(s.q_heads, d)
-    if kind in ("k_proj", "v_proj"):
-        return rows(s.kv_heads, d)
-    if kind == "o_proj":
-        return t[:, s.q_heads.start * d : s.q_heads.stop * d]
-    if kind in ("gate_proj", "up_proj"):
-        return rows(s.inter)
-    if kind == "down_proj":
-        return t[:, s.inter.start : s.inter.stop]
-    if kind in ("embed_tokens", "lm_head"):
-        out = t.new_zeros((s.vocab_size, *t.shape[1:]))
-        part = t[s.vocab.start : min(s.vocab.stop, t.shape[0])]
-        out[: len(part)] = part
-        return out
-    return t  # norms: whole on every rank
+def take(t: Any, shape: tuple[int, ...], r: tuple[int, int, int] | None) -> torch.Tensor:
+    """Range ``r`` of ``t`` (a tensor, or a safetensors slice that reads only what it is asked
+    for), zero-padded where a vocabulary range runs past its rows."""
+    if r is None:
+        return t[:] if not isinstance(t, torch.Tensor) else t
+    dim, a, b = r
+    stop = min(b, shape[dim])
+    part: torch.Tensor = t[a:stop] if dim == 0 else t[:, a:stop]
+    if stop - a < b - a:  # padding rows past the vocabulary (dim 0 only)
+        pad = torch.zeros((b - stop, *part.shape[1:]), dtype=part.dtype)
+        part = torch.cat([part, pad.to(part.device)])
+    return part
+
+
+def shard_tensor(name: str, t: torch.Tensor, cfg: ModelConfig, s: Shard) -> torch.Tensor:
+    """This rank's slice of checkpoint tensor ``name`` (our names: ``layers.N.q_proj.weight``)."""
+    return take(t, tuple(t.shape), shard_range(name, cfg, s))
 
 
 def embed(ids: torch.Tensor, weight: torch.Tensor, s: Shard, tp: TensorParallel) -> torch.Tensor:

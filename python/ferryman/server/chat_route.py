@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from ferryman.sampling_params import SamplingParams
-from ferryman.server import handling, responses, tools
+from ferryman.server import handling, responses, tool_calls, tools
 from ferryman.server import protocol as api
 from ferryman.server.async_engine import Delta, Update
 from ferryman.server.errors import ApiError, generation
@@ -23,13 +23,13 @@ Submit = Callable[
 ]
 
 
-def _calls(calls: list[tools.Call]) -> list[api.ToolCall]:
+def _calls(calls: list[tool_calls.Call]) -> list[api.ToolCall]:
     return [
         api.ToolCall(id=c.id, function=api.FunctionCall(name=c.name, arguments=c.arguments)) for c in calls
     ]
 
 
-def _reason(reason: str | None, calls: list[tools.Call], choice: tools.ToolChoice) -> str | None:
+def _reason(reason: str | None, calls: list[tool_calls.Call], choice: tools.ToolChoice) -> str | None:
     forced = isinstance(choice, tools.NamedToolChoice)
     return "tool_calls" if calls and reason == "stop" and not forced else reason
 
@@ -70,22 +70,24 @@ def add_chat_route(
         rid, streams = await submit("chatcmpl", [prompt], params)
         want_lp, top_n = params.logprobs is not None, params.logprobs or 0
         with_tools = bool(body.tools) and choice != "none"
+        one_call = body.parallel_tool_calls is False  # at most one call, whatever the model wrote
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
             started: set[int] = set()
-            split = {k: tools.Streamer(choice, parser) for k in range(params.n)} if with_tools else {}
+            split = {k: tool_calls.Streamer(choice, parser) for k in range(params.n)} if with_tools else {}
 
             def chunk_choice(_: int, d: Delta, __: Update) -> api.ChatChunkChoice:
                 role: Any = None if d.index in started else "assistant"
                 started.add(d.index)
                 lp = responses.chat_logprobs(d.token_ids, d.logprobs, token_str, top_n) if want_lp else None
                 content: str | None = d.text
-                calls: list[tools.Call] = []
+                calls: list[tool_calls.Call] = []
                 if with_tools:
                     content = split[d.index].feed(d.text)
                     if d.finish_reason is not None:
                         rest, calls = split[d.index].finish()
+                        calls = calls[:1] if one_call else calls
                         content += rest
                     content = content or None
                 delta_calls = [
@@ -112,9 +114,10 @@ def add_chat_route(
             choices = []
             for k in range(params.n):
                 text: str | None = "".join(acc.text.get(k, []))
-                calls: list[tools.Call] = []
+                calls: list[tool_calls.Call] = []
                 if with_tools:
-                    text, calls = tools.parse(text or "", choice, parser)
+                    text, calls = tool_calls.parse(text or "", choice, parser)
+                    calls = calls[:1] if one_call else calls
                 choices.append(
                     api.ChatChoice(
                         index=k,

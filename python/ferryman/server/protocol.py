@@ -143,8 +143,15 @@ class _Sampling(StructuredFields):
         ``SamplingParams`` names) fill the fields the request leaves unset, as vLLM's server does."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         unset = {k: v for k, v in (defaults or {}).items() if k not in self.model_fields_set}
-        if "max_tokens" in unset and ({"max_tokens", "max_completion_tokens"} & self.model_fields_set):
-            del unset["max_tokens"]
+        # the model's max_new_tokens caps a length the request left open (never raises one): the
+        # engine caps "up to max_model_len" with it, a completion's default 16 here (vLLM's rule)
+        cap = unset.pop("max_tokens", None)
+        if (
+            cap is not None
+            and max_tokens is not None
+            and not {"max_tokens", "max_completion_tokens"} & (self.model_fields_set)
+        ):
+            max_tokens = min(max_tokens, cap)
         return SamplingParams(
             **{
                 "temperature": self.temperature,

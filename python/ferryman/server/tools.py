@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
-import uuid
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import Field
@@ -31,8 +28,6 @@ from ferryman.sampling_params import StructuredOutputsParams
 from ferryman.server.schema_types import Body
 
 Parser = Literal["hermes", "llama3_json"]
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-_OPEN = "<tool_call>"
 
 
 class Function(Body):
@@ -72,13 +67,6 @@ class ToolCallIn(Body):
     function: CallFunction
 
 
-@dataclass(slots=True)
-class Call:
-    name: str
-    arguments: str  # JSON text
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-
-
 def pick_parser(template: str | None) -> Parser:
     """llama3_json for Llama 3.1's template (``<|python_tag|>`` / ``ipython``), else hermes."""
     t = template or ""
@@ -113,18 +101,45 @@ def constraint(
         f = next(t.function for t in tools if t.function.name == choice.function.name)
         return StructuredOutputsParams(json=params(f))
     if choice == "required":
+        defs: dict[str, Any] = {}
         one = [
             {
                 "type": "object",
-                "properties": {"name": {"enum": [t.function.name]}, "parameters": params(t.function)},
+                "properties": {
+                    "name": {"enum": [t.function.name]},
+                    "parameters": _hoist(params(t.function), t.function.name, defs),
+                },
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             }
             for t in tools
         ]
         calls: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": one}}
+        if defs:
+            calls["$defs"] = defs
         return StructuredOutputsParams(json=calls | ({} if parallel else {"maxItems": 1}))
     return None
+
+
+def _hoist(schema: dict[str, Any], tool: str, defs: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` nested under the list of calls: its ``$defs`` / ``definitions`` move to the root
+    as ``{tool}__{name}`` and its local references follow them (a nested ``#/$defs/...`` would
+    not resolve)."""
+    local = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+    if not local:
+        return schema
+    renamed = {f"#/{kind}/{k}": f"#/$defs/{tool}__{k}" for kind in ("$defs", "definitions") for k in local}
+
+    def walk(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {
+                k: renamed.get(x, x) if k == "$ref" and isinstance(x, str) else walk(x) for k, x in v.items()
+            }
+        return [walk(x) for x in v] if isinstance(v, list) else v
+
+    for k, d in local.items():
+        defs[f"{tool}__{k}"] = walk(d)
+    return {k: walk(v) for k, v in schema.items() if k not in ("$defs", "definitions")}
 
 
 def hermes_system(tools: list[Tool]) -> str:
@@ -181,109 +196,3 @@ def _with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:
     with contextlib.suppress(TypeError, ValueError):  # not JSON: passed on as it is
         f["arguments"] = json.loads(f["arguments"])
     return {**call, "function": f}
-
-
-def _arguments(value: Any) -> str | None:
-    """Arguments as JSON text of an object, or None when they are not one."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            return None
-    return json.dumps(value) if isinstance(value, dict) else None
-
-
-def _call(obj: Any, key: str) -> Call | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = _arguments(obj.get(key, obj.get("arguments", obj.get("parameters", {}))))
-    return None if args is None else Call(obj["name"], args)
-
-
-def parse(text: str, choice: ToolChoice, parser: Parser) -> tuple[str | None, list[Call]]:
-    """(content, calls) of a whole answer; an answer that does not hold well-formed calls is all
-    content."""
-    if isinstance(choice, NamedToolChoice):
-        args = _arguments(text)
-        return (text, []) if args is None else (None, [Call(choice.function.name, args)])
-    if choice == "required":
-        try:
-            items = json.loads(text)
-        except ValueError:
-            return text, []
-        calls = [c for c in (_call(i, "parameters") for i in items) if c] if isinstance(items, list) else []
-        return (None, calls) if calls else (text, [])
-    if choice == "none":
-        return text, []
-    if parser == "llama3_json":
-        body = text.strip().removeprefix("<|python_tag|>").strip()
-        if not body.startswith("{"):
-            return text, []
-        found: list[Call] = []
-        for part in body.split(";"):
-            try:
-                c = _call(json.loads(part), "parameters")
-            except ValueError:
-                return text, []
-            if c is None:
-                return text, []
-            found.append(c)
-        return None, found
-    start = text.find(_OPEN)
-    if start < 0:
-        return text, []
-    calls = []
-    for m in _HERMES.finditer(text, start):
-        try:
-            c = _call(json.loads(m.group(1)), "arguments")
-        except ValueError:
-            c = None
-        if c is None:
-            return text, []
-        calls.append(c)
-    content = text[:start].strip()
-    return content or None, calls
-
-
-class Streamer:
-    """Splits a streamed answer into content deltas and calls. With ``auto``, content streams as
-    it comes until a call may begin (``<tool_call>``; for llama3_json an answer that starts with
-    ``{`` or ``<|python_tag|>``); from there the text is held and parsed when the sequence
-    finishes. The constrained choices hold everything (their answer is the calls)."""
-
-    def __init__(self, choice: ToolChoice, parser: Parser) -> None:
-        self.choice, self.parser = choice, parser
-        self.text, self.sent = "", 0  # all text so far; characters of it released as content
-        self.mode = "content" if choice == "none" else "hold" if choice != "auto" else "open"
-        if self.mode == "open" and parser == "llama3_json":
-            self.mode = "decide"  # not known until the answer's first characters
-
-    def feed(self, delta: str) -> str:
-        """The content to send now for ``delta``."""
-        self.text += delta
-        if self.mode == "decide":
-            head = self.text.lstrip()
-            if head.startswith(("{", "<|python_tag|>")):
-                self.mode = "hold"
-            elif head and not "<|python_tag|>".startswith(head):
-                self.mode = "content"
-        if self.mode not in ("content", "open"):
-            return ""
-        end = len(self.text)
-        if self.mode == "open":  # hermes: up to a call's tag, or up to what may begin one
-            at = self.text.find(_OPEN, self.sent)
-            if at >= 0:
-                self.mode, end = "hold", at
-            else:
-                end -= next((k for k in range(len(_OPEN) - 1, 0, -1) if self.text.endswith(_OPEN[:k])), 0)
-        out, self.sent = self.text[self.sent : end], max(self.sent, end)
-        return out
-
-    def finish(self) -> tuple[str, list[Call]]:
-        """At the end: the content still to send, and the calls."""
-        _, calls = parse(self.text, self.choice, self.parser)
-        if not calls:
-            rest, self.sent = self.text[self.sent :], len(self.text)
-            return rest, []
-        end = self.text.find(_OPEN) if self.choice == "auto" and self.parser == "hermes" else 0
-        return (self.text[self.sent : end].rstrip() if end > self.sent else ""), calls

@@ -22,7 +22,8 @@ weight bytes over ``N``, KV bytes times the share of KV heads a rank holds (``1/
 when there are fewer than ``N``), and the ranks' communication is added, not overlapped:
 
     comm_s  = (2 L + 1) * allreduce(T * h * b)        (after attention and MLP, and the embedding)
-            + (N - 1) / N * S * V * 4 / link_bytes_per_s    (gathering fp32 logits)
+            + (N - 1) / N * S * V * b / link_bytes_per_s + link_latency_s   (gathering the
+                                                       logits, in the model's dtype)
     allreduce(M) = 2 (N - 1) / N * M / link_bytes_per_s + link_latency_s    (a ring)
 
 A step with nothing scheduled costs only the swap time. Defaults: ``compute_efficiency=0.6``,
@@ -80,8 +81,8 @@ class Roofline:
         self.kv_bytes_per_token = float(shape.kv_bytes_per_token(dtype_bytes)) * kv_share
         ring = 2.0 * (tp - 1) / tp / link.bytes_per_s
         self._allreduce_s_per_token = (2 * L + 1) * ring * h * dtype_bytes  # by tokens in the step
-        self._allreduce_fixed_s = (2 * L + 1) * link.latency_s if tp > 1 else 0.0
-        self._gather_s_per_sample = (tp - 1) / tp * V * 4 / link.bytes_per_s
+        self._allreduce_fixed_s = (2 * L + 2) * link.latency_s if tp > 1 else 0.0  # and the gather
+        self._gather_s_per_sample = (tp - 1) / tp * V * dtype_bytes / link.bytes_per_s
         self._flops_per_s = gpu.peak_flops * compute_efficiency
         self._bytes_per_s = gpu.hbm_bytes_per_s * bandwidth_efficiency
         self.step_overhead_s = step_overhead_s

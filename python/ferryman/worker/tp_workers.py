@@ -10,8 +10,10 @@ the same swap, copy and forward, meeting in the model's all-reduces, and the log
 whole on rank 0 (``ferryman.models.tensor_parallel``). ``plan_send_s`` adds up the broadcasts.
 A ``None`` plan stops the workers.
 
-A rank that dies makes the next collective fail (gloo reports the closed connection; every
-collective has ``TIMEOUT_S`` at most): the step raises ``RankFailedError``, which the engine
+The plans go over a group of their own whose broadcasts never time out (a worker waits for the
+next plan as long as the engine idles); the forward's collectives time out after
+``RankSpec.timeout_s`` (60 s). A rank that dies makes the next collective fail (gloo reports the
+closed connection at once): the step raises ``RankFailedError``, which the engine
 treats as fatal (it reports itself dead; the server fails every open request) rather than a step
 to retry. So is any error of a step here: a rank that raised mid-forward leaves the others inside
 a collective, out of step for good.
@@ -41,7 +43,6 @@ from ferryman.models.tensor_parallel import TensorParallel
 from ferryman.worker.kv_cache import KvCache
 from ferryman.worker.model_runner import ModelRunner
 
-TIMEOUT_S = 60
 PLAN_FIELDS = (
     "table_rows",
     "table_cols",
@@ -81,6 +82,7 @@ class RankSpec:
     max_num_seqs: int
     max_model_len: int
     attention_backend: str
+    timeout_s: float = 60.0  # the forward's collectives (FERRYMAN_TEST_TP_TIMEOUT_S in tests)
 
 
 def free_port() -> int:
@@ -118,25 +120,28 @@ def build_runner(spec: RankSpec, rank: int, model: Any = None) -> ModelRunner:
     )
 
 
-def init_rank(spec: RankSpec, rank: int) -> None:
+def init_rank(spec: RankSpec, rank: int) -> Any:
+    """Joins the group (the forward's collectives time out after ``spec.timeout_s``) and returns
+    the plans' group, whose broadcasts wait as long as the engine idles."""
     dist.init_process_group(
         "gloo",
         init_method=spec.init_method,
         rank=rank,
         world_size=spec.world,
-        timeout=timedelta(seconds=TIMEOUT_S),
+        timeout=timedelta(seconds=spec.timeout_s),
     )
+    return dist.new_group(list(range(spec.world)), timeout=timedelta(days=365))
 
 
 def worker_main(rank: int, spec: RankSpec) -> None:
     """A worker rank: build its part, then run every plan rank 0 broadcasts until ``None``."""
-    init_rank(spec, rank)
+    plans = init_rank(spec, rank)
     runner = build_runner(spec, rank)
     try:
         with torch.inference_mode():
             while True:
                 box: list[Any] = [None]
-                dist.broadcast_object_list(box, src=0)
+                dist.broadcast_object_list(box, src=0, group=plans)
                 if box[0] is None:
                     return
                 fields, also = box[0]
@@ -151,16 +156,23 @@ def start(spec: RankSpec, model: Any) -> TensorParallelRunner:
     procs = [ctx.Process(target=worker_main, args=(r, spec), daemon=True) for r in range(1, spec.world)]
     for p in procs:
         p.start()
-    init_rank(spec, 0)
-    return TensorParallelRunner(build_runner(spec, 0, model), procs)
+    try:
+        plans = init_rank(spec, 0)
+        return TensorParallelRunner(build_runner(spec, 0, model), procs, plans)
+    except BaseException:  # no half-started ranks left behind
+        for p in procs:
+            p.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
 
 
 class TensorParallelRunner:
     """Rank 0's runner: starts the workers, sends each plan to them, then runs it here. Anything
     else (the KV pool, the model, graph counts) is rank 0's runner's."""
 
-    def __init__(self, local: ModelRunner, procs: list[Any]) -> None:
-        self.local, self.procs = local, procs
+    def __init__(self, local: ModelRunner, procs: list[Any], plans: Any) -> None:
+        self.local, self.procs, self.plans, self.stopped = local, procs, plans, False
         self.plan_send_s, self.num_plans = 0.0, 0
         atexit.register(self.shutdown)
 
@@ -171,7 +183,8 @@ class TensorParallelRunner:
             raise RuntimeError("tensor parallelism runs without async scheduling")
         started = time.perf_counter()
         try:
-            dist.broadcast_object_list([({f: getattr(out, f) for f in PLAN_FIELDS}, also)], src=0)
+            plan = {f: getattr(out, f) for f in PLAN_FIELDS}
+            dist.broadcast_object_list([(plan, also)], src=0, group=self.plans)
             self.plan_send_s += time.perf_counter() - started
             self.num_plans += 1
             return self.local.execute(out, prev, also)
@@ -181,10 +194,11 @@ class TensorParallelRunner:
 
     def shutdown(self) -> None:
         """Stops the workers (they exit after the ``None`` plan) and leaves the group."""
-        if not dist.is_initialized():
+        if self.stopped or not dist.is_initialized():  # once; and not another engine's group
             return
+        self.stopped = True
         with contextlib.suppress(RuntimeError):  # a worker already gone (gloo raises plain ones)
-            dist.broadcast_object_list([None], src=0)
+            dist.broadcast_object_list([None], src=0, group=self.plans)
         for p in self.procs:
             p.join(timeout=10)
             if p.is_alive():

@@ -45,6 +45,10 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
 
+    def reset_parameters(self) -> None:
+        """Nothing: weights always come from a checkpoint. (On the meta device, where models are
+        built, torch's first init op costs ~1 s of lazy imports at start-up; measured.)"""
+
     def pack(self) -> None:
         self.packed = _pack(self.weight)
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
@@ -53,6 +57,13 @@ class Linear(nn.Linear):
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return _packed_linear(x, self.packed, self.bias)
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` without an initialisation (see ``Linear.reset_parameters``)."""
+
+    def reset_parameters(self) -> None:
+        pass
 
 
 class RMSNorm(nn.Module):
@@ -146,12 +157,15 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg, self.tp = cfg, tp or TensorParallel()
         self.shard = s = shard_of(cfg, self.tp)
-        self.embed_tokens = nn.Embedding(s.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(s.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, s, self.tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, s.vocab_size, bias=False)
         self._tied_head_packed: torch.Tensor | None = None
-        inv_freq, self.rope_scale = rope_for(cfg)  # rope_scale: YaRN's cos/sin factor, else 1
+        # on the CPU even inside the meta-device context models are built in: on meta, torch runs
+        # these ops through Python references whose first use imports torch._dynamo (~2 s)
+        with torch.device("cpu"):
+            inv_freq, self.rope_scale = rope_for(cfg)  # rope_scale: YaRN's cos/sin factor, else 1
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     @classmethod

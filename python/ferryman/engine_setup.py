@@ -25,7 +25,7 @@ from ferryman.models.llama import LlamaForCausalLM
 from ferryman.models.tensor_parallel import TensorParallel
 from ferryman.worker.calibrate import host_link_bytes_per_s, prefill_tokens_per_s, profile_kv_blocks
 from ferryman.worker.kv_cache import KvCache
-from ferryman.worker.model_runner import ModelRunner
+from ferryman.worker.model_runner import ModelRunner, runner_with_pool
 from ferryman.worker.tp_workers import RankSpec, free_port
 from ferryman.worker.tp_workers import start as start_ranks
 
@@ -92,26 +92,19 @@ def build_parts(args: EngineArgs) -> EngineParts:
         runner: Any = start_ranks(spec, model)
         kv = runner.kv
     else:
-        kv = KvCache(
-            mc.num_layers,
-            num_device_blocks,
-            num_host_blocks,
-            block_size,
-            mc.num_kv_heads,
-            mc.head_dim,
+        runner = runner_with_pool(
+            model,
             dtype,
             device,
-        )
-        runner = ModelRunner(
-            model,
-            kv,
             block_size,
-            device,
+            num_device_blocks,
+            num_host_blocks,
             args.attention_backend,
-            enforce_eager=args.enforce_eager,
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=max_model_len,
+            args.enforce_eager,
+            args.max_num_seqs,
+            max_model_len,
         )
+        kv = runner.kv
     calibration: dict[str, float] = {}
     started = time.perf_counter()
     if args.calibrate and n == 1:  # calibration's forwards run on one rank: not with tensor parallelism

@@ -148,7 +148,7 @@ impl Grammar {
     /// Writes the tokens allowed next as a bitmask over `out` (`mask_words` words); where the
     /// grammar may end, every id of `stop_ids` is allowed too. A matcher in error allows only
     /// the stop ids (the sequence then ends), and the error is returned.
-    pub fn fill_mask(&mut self, out: &mut [u32], stop_ids: &[u32]) -> Result<(), String> {
+    pub fn fill_mask(&mut self, out: &mut [u32], stop_ids: impl IntoIterator<Item = u32>) -> Result<(), String> {
         let res = self.matcher.compute_mask_or_eos();
         out.fill(0);
         let mut can_end = true;
@@ -163,7 +163,7 @@ impl Grammar {
             Err(e) => Some(e.to_string()),
         };
         if can_end {
-            for &t in stop_ids {
+            for t in stop_ids {
                 if let Some(w) = out.get_mut(t as usize / 32) {
                     *w |= 1 << (t % 32);
                 }
@@ -204,13 +204,13 @@ mod tests {
         let other = tok.hf().encode("x", false).unwrap().get_ids()[0];
         let stop = eos + 1; // another special token, standing for a second EOS id
         for (i, &t) in ids.iter().enumerate() {
-            g.fill_mask(&mut mask, &[eos, stop]).unwrap();
+            g.fill_mask(&mut mask, [eos, stop]).unwrap();
             assert!(allowed(&mask, t) && !allowed(&mask, other));
             assert!(!allowed(&mask, eos) && !allowed(&mask, stop), "no end before a whole choice");
             // complete (nothing may follow "no") exactly at its last token
             assert_eq!(g.consume(t).unwrap(), i + 1 == ids.len());
         }
-        g.fill_mask(&mut mask, &[eos, stop]).unwrap();
+        g.fill_mask(&mut mask, [eos, stop]).unwrap();
         assert!(allowed(&mask, eos) && allowed(&mask, stop) && !allowed(&mask, other));
     }
 
@@ -226,7 +226,7 @@ mod tests {
         let mut fork = g.clone();
         assert!(fork.consume(b).unwrap(), "a+b is complete after ab");
         let mut mask = vec![0u32; c.mask_words()];
-        g.fill_mask(&mut mask, &[eos]).unwrap();
+        g.fill_mask(&mut mask, [eos]).unwrap();
         assert!(allowed(&mask, a) && allowed(&mask, b) && !allowed(&mask, eos));
     }
 

@@ -102,3 +102,40 @@ class ModelRunner:
         places = torch.from_numpy(out.inflight_token_indices.astype(np.int64)).to(dev)
         src = torch.from_numpy(out.inflight_sample_indices.astype(np.int64)).to(dev)
         return places, prev[src].long()
+
+
+def runner_with_pool(
+    model: LlamaForCausalLM,
+    dtype: torch.dtype,
+    device: torch.device,
+    block_size: int,
+    num_device_blocks: int,
+    num_host_blocks: int,
+    attention_backend: str = "auto",
+    enforce_eager: bool = False,
+    max_num_seqs: int = 256,
+    max_model_len: int = 8192,
+) -> ModelRunner:
+    """A runner over a new KV pool sized for ``model``'s KV heads (one rank's with tensor
+    parallelism)."""
+    mc = model.cfg
+    kv = KvCache(
+        mc.num_layers,
+        num_device_blocks,
+        num_host_blocks,
+        block_size,
+        model.shard.num_kv_heads,
+        mc.head_dim,
+        dtype,
+        device,
+    )
+    return ModelRunner(
+        model,
+        kv,
+        block_size,
+        device,
+        attention_backend,
+        enforce_eager=enforce_eager,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+    )

@@ -40,8 +40,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ferryman.models.tensor_parallel import TensorParallel
-from ferryman.worker.kv_cache import KvCache
-from ferryman.worker.model_runner import ModelRunner
+from ferryman.worker.model_runner import ModelRunner, runner_with_pool
 
 PLAN_FIELDS = (
     "table_rows",
@@ -98,22 +97,13 @@ def build_runner(spec: RankSpec, rank: int, model: Any = None) -> ModelRunner:
     device, dtype = torch.device("cpu"), getattr(torch, spec.dtype)
     if model is None:
         model, _ = load_model(spec.model, dtype, device, TensorParallel(rank, spec.world))
-    mc, s = model.cfg, model.shard
-    kv = KvCache(
-        mc.num_layers,
-        spec.num_device_blocks,
-        spec.num_host_blocks,
-        spec.block_size,
-        s.num_kv_heads,
-        mc.head_dim,
+    return runner_with_pool(
+        model,
         dtype,
         device,
-    )
-    return ModelRunner(
-        model,
-        kv,
         spec.block_size,
-        device,
+        spec.num_device_blocks,
+        spec.num_host_blocks,
         spec.attention_backend,
         max_num_seqs=spec.max_num_seqs,
         max_model_len=spec.max_model_len,

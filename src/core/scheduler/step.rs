@@ -148,14 +148,11 @@ impl Scheduler {
                     debug_assert_eq!(r.num_inflight, 0, "a grammar's mask needs every earlier sample applied");
                     let started = std::time::Instant::now();
                     let words = self.grammars.as_ref().map_or(0, |c| c.mask_words());
-                    let stops: Vec<u32> = (if r.stop.ignore_eos { &[][..] } else { &r.stop.eos_token_ids[..] })
-                        .iter()
-                        .chain(&r.stop.stop_token_ids)
-                        .copied()
-                        .collect();
+                    let eos = if r.stop.ignore_eos { &[][..] } else { &r.stop.eos_token_ids[..] };
+                    let stops = eos.iter().chain(&r.stop.stop_token_ids).copied();
                     let at = o.grammar_masks.len();
                     o.grammar_masks.resize(at + words, 0);
-                    if g.fill_mask(&mut o.grammar_masks[at..], &stops).is_err() {
+                    if g.fill_mask(&mut o.grammar_masks[at..], stops).is_err() {
                         self.counters.num_grammar_errors += 1;
                     }
                     for k in 0..n {

@@ -5,6 +5,7 @@ mod py_config;
 mod py_errors;
 mod py_outputs;
 mod py_request;
+mod py_sampling;
 mod py_scheduler;
 
 use pyo3::prelude::*;
@@ -23,6 +24,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<py_request::PyRequestParams>()?;
     m.add_class::<py_outputs::PySchedulerOutput>()?;
     m.add_class::<py_outputs::PyStepOutputs>()?;
+    m.add_function(wrap_pyfunction!(py_sampling::sample_random_cpu, m)?)?;
     py_errors::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -19,6 +19,7 @@ __all__ = [
     "SchedulerOutput",
     "StepOutputs",
     "__version__",
+    "sample_random_cpu",
 ]
 
 __version__: str
@@ -330,3 +331,20 @@ class Scheduler:
     def output_token_ids(self, req_id: int, seq_index: int = 0) -> npt.NDArray[np.int32] | None:
         """The output token ids so far of a live sequence, or None."""
     def block_table(self, req_id: int, seq_index: int = 0) -> list[int] | None: ...
+
+def sample_random_cpu(
+    logits: npt.NDArray[np.float32],
+    rows: npt.NDArray[np.int64],
+    temperature: npt.NDArray[np.float32],
+    top_k: npt.NDArray[np.int64],
+    top_p: npt.NDArray[np.float32],
+    min_p: npt.NDArray[np.float32],
+    seeds: npt.NDArray[np.int64],
+    positions: npt.NDArray[np.int64],
+) -> npt.NDArray[np.int64]:
+    """One random token per entry of ``rows``: a sample of ``logits[rows[i]]`` (float32 ``[N, V]``,
+    C-contiguous) under the i-th temperature (> 0), top-k (<= 0: off), top-p (>= 1: off), min-p
+    (<= 0: off), seed and position. The algorithm and noise of ``ferryman.worker.sampler.
+    sample_random`` (the same token but for ties within rounding), run in the core with the GIL
+    released. Raises ``InvalidRequestError`` for mismatched lengths, a row out of range, a
+    non-contiguous ``logits`` or a temperature that is not > 0."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from ferryman.sampling_params import SamplingParams
@@ -42,11 +43,28 @@ def demand_blocks(work: list[tuple[list[int], int]], block_size: int = 16) -> in
     return sum(request_blocks(work, block_size))
 
 
-def run_ferryman(model: str, work: list[tuple[list[int], int]], **engine_kw: Any) -> dict[str, float]:
+@dataclass(frozen=True)
+class Sampling:
+    """How every request of the workload samples (greedy by default); request i is seeded with i."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+
+def run_ferryman(
+    model: str, work: list[tuple[list[int], int]], sampling: Sampling = Sampling(), **engine_kw: Any
+) -> dict[str, float]:
     from ferryman.engine import Engine
 
     engine = Engine(model, **engine_kw)
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in work]
+    sp = sampling
+    params = [
+        SamplingParams(
+            temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=i, max_tokens=m, ignore_eos=True
+        )
+        for i, (_, m) in enumerate(work)
+    ]
     t = time.perf_counter()
     outs = engine.generate([p for p, _ in work], params)
     dt = time.perf_counter() - t
@@ -64,7 +82,9 @@ def run_ferryman(model: str, work: list[tuple[list[int], int]], **engine_kw: Any
     }
 
 
-def run_transformers(model: str, work: list[tuple[list[int], int]]) -> dict[str, float]:
+def run_transformers(
+    model: str, work: list[tuple[list[int], int]], sampling: Sampling = Sampling()
+) -> dict[str, float]:
     import torch
     import transformers as tf
 
@@ -93,8 +113,17 @@ def run_transformers(model: str, work: list[tuple[list[int], int]]) -> dict[str,
             attention_mask=mask,
             max_new_tokens=longest,
             min_new_tokens=longest,
-            do_sample=False,
             pad_token_id=0,
+            **(
+                {"do_sample": False}
+                if sampling.temperature == 0
+                else {
+                    "do_sample": True,
+                    "temperature": sampling.temperature,
+                    "top_p": sampling.top_p,
+                    "top_k": max(sampling.top_k, 0),  # 0: off
+                }
+            ),
         )
     dt = time.perf_counter() - t
     tokens = sum(m for _, m in work)

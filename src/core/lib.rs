@@ -24,6 +24,7 @@ pub mod outputs;
 pub mod prefix_cache;
 pub mod queues;
 pub mod request;
+pub mod sampling;
 pub mod scheduler;
 pub mod text;
 
@@ -32,5 +33,6 @@ pub use error::{CoreError, CoreResult};
 pub use grammar::GrammarSpec;
 pub use outputs::{Counters, PreemptionEvent, PreemptionReason, SchedulerOutput, StepOutputs, StepStats};
 pub use request::{FinishReason, RequestParams, RequestStatus, TextParams};
+pub use sampling::{sample_rows, RowParams};
 pub use scheduler::Scheduler;
 pub use text::Tokenizer;

@@ -1,12 +1,16 @@
-"""The sampler against a plain reference: the exponential race over the whole vocabulary, top-k
-and top-p each by their own sort. The sampler sorts once and races only each row's survivors;
-it must pick the same tokens, and a row's token must not depend on the rows beside it."""
+"""The samplers against a plain reference: the exponential race over the whole vocabulary, top-k
+and top-p each by their own sort. The torch sampler sorts once and races only each row's
+survivors, the core's CPU sampler (``sample_random_cpu``) selects instead of sorting and skips
+tokens that cannot win; both must pick the same tokens, and a row's token must not depend on the
+rows beside it."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from ferryman import _core
 from ferryman.worker.sampler import Filters, _uniform, sample, sample_random
 
 
@@ -30,7 +34,7 @@ def reference(
             kth = lg.sort(descending=True).values[min(int(top_k[i]), vocab) - 1]
             lg = lg.masked_fill(lg < kth, float("-inf"))
         if top_p[i] < 1:
-            s, order = lg.sort(descending=True)
+            s, order = lg.sort(descending=True, stable=True)
             probs = s.softmax(-1)
             drop = probs.cumsum(-1) - probs > top_p[i]
             lg = torch.full_like(lg, float("-inf")).scatter(0, order, s.masked_fill(drop, float("-inf")))
@@ -74,11 +78,68 @@ def test_sample_matches_the_full_vocabulary_reference(vocab: int) -> None:
     assert whole.tolist() == [want[i] for i in r.tolist()]
 
 
+def core_sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+) -> list[int]:
+    """``sample``'s contract through the core's sampler: greedy rows by argmax, the rest random."""
+    out = logits.argmax(dim=-1).numpy().copy()
+    r = (temperature > 0).nonzero()[:, 0].numpy()
+    cols = [t.numpy()[r] for t in (temperature, top_k, top_p, min_p, seeds, positions)]
+    out[r] = _core.sample_random_cpu(logits.numpy(), r.astype(np.int64), *cols)
+    return [int(t) for t in out]
+
+
+@pytest.mark.parametrize("vocab", [7, 259, 4096])
+@pytest.mark.parametrize("scale", [0.3, 3.0, 30.0])
+def test_core_sampler_matches_the_reference(vocab: int, scale: float) -> None:
+    """Flat, moderate and peaked rows; every filter alone and mixed, with ties in the logits."""
+    g = torch.Generator().manual_seed(vocab + int(scale * 10))
+    rows = 96
+    logits = torch.randn(rows, vocab, generator=g) * scale
+    logits[::11, : vocab // 2] = logits[::11, :1]  # rows with many tied logits
+    logits[5::13, 1::3] = float("-inf")  # tokens a grammar or a bias removed
+    temperature = torch.tensor([0.0 if i % 17 == 0 else 0.25 + (i % 6) * 0.3 for i in range(rows)])
+    top_k = torch.tensor([[-1, 1, 5, 40, vocab + 3, 0][i % 6] for i in range(rows)], dtype=torch.int64)
+    top_p = torch.tensor([[1.0, 0.9, 0.5, 0.99, 0.05][i % 5] for i in range(rows)])
+    min_p = torch.tensor([[0.0, 0.0, 0.05, 0.3][i % 4] for i in range(rows)])
+    seeds = torch.arange(rows, dtype=torch.int64) * 1009 - 300
+    positions = torch.arange(rows, dtype=torch.int64) % 13 + 5
+    args = (logits, temperature, top_k, top_p, min_p, seeds, positions)
+    assert core_sample(*args) == reference(*args)
+    # top-p alone over the whole vocabulary (the sorted prefix grows until the cut is inside)
+    no_k = torch.full((rows,), -1, dtype=torch.int64)
+    args = (logits, temperature, no_k, top_p, min_p, seeds, positions)
+    assert core_sample(*args) == reference(*args)
+
+
+def test_core_sampler_refuses_bad_arguments() -> None:
+    lg = np.zeros((2, 5), np.float32)
+    one = (np.ones(1, np.float32), np.zeros(1, np.int64), np.ones(1, np.float32), np.zeros(1, np.float32))
+    seed_pos = (np.zeros(1, np.int64), np.zeros(1, np.int64))
+    # a flat row: the token whose noise is largest
+    want = reference(*(torch.from_numpy(a) for a in (lg[1:], *one, *seed_pos)))
+    assert _core.sample_random_cpu(lg, np.array([1]), *one, *seed_pos).tolist() == want
+    with pytest.raises(_core.InvalidRequestError, match="out of range"):
+        _core.sample_random_cpu(lg, np.array([2]), *one, *seed_pos)
+    with pytest.raises(_core.InvalidRequestError, match="one entry per row"):
+        _core.sample_random_cpu(lg, np.array([0, 1]), *one, *seed_pos)
+    with pytest.raises(_core.InvalidRequestError, match="temperature"):
+        _core.sample_random_cpu(lg, np.array([0]), np.zeros(1, np.float32), *one[1:], *seed_pos)
+    with pytest.raises(_core.InvalidRequestError, match="contiguous"):
+        _core.sample_random_cpu(np.zeros((2, 10), np.float32)[:, ::2], np.array([0]), *one, *seed_pos)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_sampling_table_flags_rows_whose_largest_logit_is_not_finite(temperature: float) -> None:
     """NaN or +inf anywhere in a row, or a row all -inf, is a fault (``ok`` False); one -inf
-    among finite logits is a token of probability zero and samples normally. Greedy rows on CPU
-    take numpy's argmax, random rows torch's: both paths are checked."""
+    among finite logits is a token of probability zero and samples normally. On CPU the check
+    reads numpy's argmax, greedy or random."""
     import numpy as np
 
     from ferryman.sampling_params import SamplingParams

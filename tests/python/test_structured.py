@@ -159,7 +159,7 @@ def test_the_bitmask_unpacks_the_same_with_numpy_and_torch(vocab: int) -> None:
     """Bit t % 32 of word t // 32 allows token t; tokens past the mask's bits are forbidden."""
     import numpy as np
 
-    from ferryman.worker.sampling_table import grammar_bias
+    from ferryman.worker.grammar_mask import grammar_bias
 
     masks = np.random.default_rng(0).integers(0, 2**32, size=(3, 9), dtype=np.uint32)
     want = torch.full((3, vocab), float("-inf"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import statistics
 from typing import Any
 
@@ -42,6 +43,11 @@ def register(sub: Any) -> None:
         help="--pool-fraction of the total demand (every request's prompt + output, i.e. the ample pool) "
         "or of the ample run's peak use (stricter) (default: demand)",
     )
+    t.add_argument(
+        "--temperature", type=float, default=0.0, help="every request's temperature (default: 0, greedy)"
+    )
+    t.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (default: 1, off)")
+    t.add_argument("--top-k", type=int, default=-1, help="every request's top_k (default: -1, off)")
     t.add_argument("--no-hf", action="store_true", help="skip the transformers run")
     t.add_argument(
         "--vs-sync",
@@ -90,7 +96,9 @@ def run_throughput(a: argparse.Namespace) -> int:
 
     work = bench.workload(a.token_range, a.num_prompts, a.input_len, a.output_len, a.seed)
     demand = bench.demand_blocks(work)
-    kw = {
+    sampling = bench.Sampling(a.temperature, a.top_p, a.top_k)
+    kw: dict[str, Any] = {
+        "sampling": sampling,
         "num_host_blocks": a.num_host_blocks,
         "preemption_mode": a.preemption_mode,
         "max_num_batched_tokens": a.max_num_batched_tokens,
@@ -99,6 +107,7 @@ def run_throughput(a: argparse.Namespace) -> int:
     }
     report: dict[str, object] = {
         "num_prompts": a.num_prompts,
+        "sampling": dataclasses.asdict(sampling),
         "input_len": a.input_len,
         "output_len": a.output_len,
     }
@@ -125,7 +134,7 @@ def run_throughput(a: argparse.Namespace) -> int:
             vs_ample.append(round(ours["output_tokens_per_s"] / ample["output_tokens_per_s"], 3))
         hf: dict[str, float] = {}
         if not a.no_hf:
-            hf = bench.run_transformers(a.model, work)
+            hf = bench.run_transformers(a.model, work, sampling)
             base = ample or ours  # transformers is compared with the ample-pool run
             vs_hf.append(round(base["output_tokens_per_s"] / hf["output_tokens_per_s"], 3))
         if rep == 0:  # the first repeat's full figures; later ones add their ratios

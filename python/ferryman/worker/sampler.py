@@ -3,6 +3,9 @@
 Random rows use an exponential race (argmax of p / E with E ~ Exp(1)) whose noise is a
 counter-based hash of (request seed, position, token id), so a request's samples depend only on
 its own seed and position — never on the batch it ran in or on other requests.
+
+The engine runs these torch ops on CUDA; on CPU it runs the core's sampler
+(``ferryman._core.sample_random_cpu``), the same algorithm and noise per row.
 """
 
 from __future__ import annotations
@@ -54,18 +57,20 @@ def sample_random(
     """One token (int64) per row of float32 ``logits [R, V]``, every row random (temperature
     > 0); per-row parameters are 1-D tensors (``top_k <= 0`` means off).
 
-    One sort serves top-k and top-p. On CPU, when they filter, the race runs only over each
-    row's survivors (a prefix of its sorted order; every other token has probability 0 and
-    cannot win), so its noise costs ``[R, W]`` with W the most survivors of any row, not
-    ``[R, V]``; the probabilities are still computed over whole vocabulary rows and the race's
-    padding is exact zeros, so a row's sample never depends on the batch. On CUDA the race
-    covers the whole row: W would have to be read back from the device, a wait per step
+    One sort serves top-k and top-p; it is stable, so among tied logits top-p keeps the lowest
+    token ids first (the order of the core's CPU sampler, which the engine runs on CPU instead of
+    this). On CPU, when they filter, the race runs only over each row's survivors (a prefix of
+    its sorted order; every other token has probability 0 and cannot win), so its noise costs
+    ``[R, W]`` with W the most survivors of any row, not ``[R, V]``; the probabilities are still
+    computed over whole vocabulary rows and the race's padding is exact zeros, so a row's sample
+    never depends on the batch. On CUDA the race covers the whole row: W would have to be read
+    back from the device, a wait per step
     (``window`` overrides the choice; both give the same tokens)."""
     lg = logits / temperature[:, None]
     vocab = lg.shape[-1]
     order, width = None, vocab  # each row's token ids by descending logit, when a filter needs them
     if filters.top_k or filters.top_p:
-        sorted_lg, order = lg.sort(dim=-1, descending=True)
+        sorted_lg, order = lg.sort(dim=-1, descending=True, stable=True)
         if filters.top_k:
             kk = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
             kth = sorted_lg.gather(1, (kk - 1)[:, None])

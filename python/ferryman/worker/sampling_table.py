@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ferryman._core import sample_random_cpu
+from ferryman.worker.grammar_mask import apply_grammar as apply_grammar  # looked up here per call
 from ferryman.worker.logit_state import Adjust, LogitState, PromptArgs, adjust_args, prompt_args
 from ferryman.worker.sampler import Filters, gather_logprobs, sample_random
 
@@ -26,6 +28,7 @@ ROW_COLUMNS = (
     "frequency_penalty",
     "repetition_penalty",
 )
+FORK_SEED_STRIDE = 1000003  # fork k of a request samples with seed + k * this
 History = Callable[[int, int], np.ndarray]  # (core id, fork) -> its output ids so far
 
 
@@ -214,12 +217,8 @@ class SamplingTable:
             logits = self.logit_state.apply(logits, rows, a.adjust, self.by_row)
         if a.grammar is not None:
             logits = apply_grammar(logits, *a.grammar, fallback=raw if a.adjust is not None else None)
-        if not a.any_random and logits.device.type == "cpu":
-            # numpy's argmax: ~6x faster than torch's on CPU at [256, vocab] (no thread pool)
-            arr = logits.numpy()
-            best = arr.argmax(axis=-1)  # NaN, then +inf, wins a row's argmax
-            ok = torch.from_numpy(np.isfinite(arr[np.arange(len(best)), best]))
-            tokens = torch.from_numpy(best.astype(np.int32))
+        if logits.device.type == "cpu":
+            tokens, ok = self._sample_cpu(logits, rows, seq_indices, positions, a)
         else:
             best_t = logits.argmax(dim=-1)
             ok = torch.isfinite(logits.gather(1, best_t[:, None])[:, 0])
@@ -238,7 +237,7 @@ class SamplingTable:
                     p["top_k"],
                     p["top_p"],
                     p["min_p"],
-                    p["seed"] + 1000003 * forks,
+                    p["seed"] + FORK_SEED_STRIDE * forks,
                     torch.from_numpy(positions[sel].astype(np.int64)).to(dev),
                     a.filters,
                 )
@@ -249,40 +248,31 @@ class SamplingTable:
             return tokens, ok, None
         return tokens, ok, gather_logprobs(raw, tokens, a.wanted)
 
-
-def apply_grammar(
-    logits: torch.Tensor, samples: np.ndarray, masks: np.ndarray, fallback: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``logits`` with -inf added where a grammar forbids the token: row ``samples[i]`` takes
-    bitmask ``masks[i]`` (bit ``t % 32`` of word ``t // 32`` for token t; tokens past the mask
-    are forbidden). Added, not written: a NaN or +inf logit stays non-finite, so the fault check
-    still sees it. A row left with no token (``min_tokens`` holding back the only one the grammar
-    allows: its end) takes the mask over ``fallback`` (the logits before the adjustments) instead:
-    the grammar wins. A new tensor (the raw logits stay for logprobs); no wait for the device."""
-    dev = logits.device
-    bias = grammar_bias(masks, logits.shape[1], dev).to(logits.dtype)
-    rows = torch.from_numpy(samples.astype(np.int64)).to(dev)
-    masked = logits.index_select(0, rows) + bias
-    if fallback is not None:
-        dead = masked.amax(dim=-1, keepdim=True) == float("-inf")
-        masked = torch.where(dead, fallback.index_select(0, rows) + bias, masked)
-    return logits.index_copy(0, rows, masked)
-
-
-def grammar_bias(masks: np.ndarray, vocab: int, dev: torch.device, numpy: bool | None = None) -> torch.Tensor:
-    """float32 ``[G, vocab]``: 0 where bitmask row ``masks[g]`` allows the token, -inf elsewhere
-    (and past the mask's bits). On CPU with numpy's bit unpacking (one pass; ``numpy`` forces
-    either way), else with torch ops on ``dev``."""
-    if dev.type == "cpu" if numpy is None else numpy:
-        bits = np.unpackbits(masks.view(np.uint8), axis=1, count=vocab, bitorder="little")
-        return torch.from_numpy(np.where(bits.astype(bool), np.float32(0), np.float32("-inf"))).to(dev)
-    words = torch.from_numpy(masks.view(np.int32)).to(dev)
-    bits_t = (words[:, :, None] >> torch.arange(32, dtype=torch.int32, device=dev)) & 1
-    allowed = bits_t.reshape(len(masks), -1)[:, :vocab].bool()
-    if allowed.shape[1] < vocab:
-        pad = torch.zeros((len(masks), vocab - allowed.shape[1]), dtype=torch.bool, device=dev)
-        allowed = torch.cat([allowed, pad], dim=1)
-    return torch.zeros(allowed.shape, dtype=torch.float32, device=dev).masked_fill_(~allowed, float("-inf"))
+    def _sample_cpu(
+        self,
+        logits: torch.Tensor,
+        rows: np.ndarray,
+        seq_indices: np.ndarray,
+        positions: np.ndarray,
+        a: SampleArgs,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``sample``'s tokens and finiteness on the CPU: numpy's argmax (~6x faster than torch's
+        at [256, vocab], no thread pool), and the random samples from the core's sampler (the
+        same algorithm and noise as ``sample_random``, a pass per row instead of torch's sorts)."""
+        arr = np.ascontiguousarray(logits.numpy())
+        best = arr.argmax(axis=-1)  # NaN, then +inf, wins a row's argmax
+        ok = torch.from_numpy(np.isfinite(arr[np.arange(len(best)), best]))
+        tokens = best.astype(np.int32)
+        if a.any_random:
+            sel = a.random
+            r = rows[sel].astype(np.int64)
+            p = {c: t.numpy()[r] for c, t in self.by_row.items()}
+            seeds = p["seed"] + FORK_SEED_STRIDE * seq_indices[sel].astype(np.int64)
+            at = positions[sel].astype(np.int64)
+            tokens[sel] = sample_random_cpu(
+                arr, sel, p["temperature"], p["top_k"], p["top_p"], p["min_p"], seeds, at
+            )
+        return torch.from_numpy(tokens), ok
 
 
 def _dtype(col: np.ndarray) -> torch.dtype:

@@ -1,0 +1,374 @@
+//! Random sampling on the CPU: one token per row of float32 logits, each row with its own
+//! temperature, top-k, top-p, min-p, seed and position. The algorithm is the Python sampler's
+//! (`ferryman/worker/sampler.py`, torch ops, which serves CUDA and is the reference in tests):
+//! 1. the logits divided by the temperature;
+//! 2. top-k (k > 0): the tokens whose scaled logit is at least the k-th largest (ties kept);
+//! 3. top-p (p < 1): of those, by descending logit, a token is dropped when the probability mass
+//!    before it (softmax over the top-k survivors) already exceeds p;
+//! 4. the survivors' probabilities (their softmax); min-p (> 0) zeroes those below
+//!    min_p × the largest;
+//! 5. an exponential race: the winner maximizes p / E with E = -ln(u), u a counter-based hash of
+//!    (seed, position, token id) (`uniform`), so a row's sample depends on its own seed and
+//!    position only, never on the batch.
+//!
+//! Dtypes follow the Python sampler (float32 probabilities, float64 race, the top-p prefix sums
+//! accumulated in float64 as torch does on the CPU), so both pick the same token except where two
+//! candidates tie to within rounding.
+//!
+//! What makes it cheap: top-k by selection (O(V)), not a sort of the vocabulary; top-p by sorting
+//! growing prefixes found by selection, so a peaked row sorts tens of tokens; and the race never
+//! takes the logarithm of a token that cannot win: since -ln(u) ≥ 1 - u, a token whose
+//! p / (1 - u) is below the best race value so far is out, exactly, and one whose p is below the
+//! best value × 1e-12 (u ≤ 1 - 1e-12) is out without hashing.
+//!
+//! A row with NaN logits returns some token without panicking; the caller fails such a row
+//! (its largest logit is not finite).
+
+use std::cmp::Ordering;
+
+/// Sampling parameters of one row; `top_k <= 0` and `top_p >= 1` are off, `min_p <= 0` is off.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RowParams {
+    pub temperature: f32,
+    pub top_k: i64,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub seed: i64,
+    pub position: i64,
+}
+
+const M35: u64 = (1 << 35) - 1;
+const M52: u64 = (1 << 52) - 1;
+/// The clamp of `uniform`: u stays in [U_MIN, 1 - U_MIN].
+const U_MIN: f64 = 1e-12;
+
+/// Uniform (0, 1) noise of `token` for (`seed`, `position`): three xor-shift-multiply rounds of
+/// a linear mix in wrapping 64-bit arithmetic, 52 bits of the result, clamped to
+/// [1e-12, 1 - 1e-12]. The same bits as the Python sampler's `_uniform`.
+#[inline]
+pub fn uniform(seed: i64, position: i64, token: i64) -> f64 {
+    let mut x = (seed as u64)
+        .wrapping_mul(6_364_136_223_846_793_005)
+        .wrapping_add((position as u64).wrapping_mul(1_442_695_040_888_963_407))
+        .wrapping_add(token as u64);
+    for _ in 0..3 {
+        x ^= (x >> 29) & M35;
+        x = x.wrapping_mul(2_685_821_657_736_338_717);
+    }
+    let u = ((x >> 11) & M52) as f64 / (1u64 << 52) as f64;
+    u.clamp(U_MIN, 1.0 - U_MIN)
+}
+
+/// A sort key of token `id` with scaled logit `x`: ascending keys are descending logits (in
+/// `total_cmp`'s order, NaN first), ties by ascending id; plain integer compares, no lookups.
+#[inline]
+fn key(x: f32, id: u32) -> u64 {
+    let b = x.to_bits();
+    let ascending = if b >> 31 == 1 { !b } else { b | 0x8000_0000 };
+    (u64::from(!ascending) << 32) | u64::from(id)
+}
+
+/// The token id of a `key`.
+#[inline]
+fn id_of(key: u64) -> u32 {
+    key as u32
+}
+
+/// Reusable buffers: sampling many rows allocates once.
+#[derive(Debug, Default, Clone)]
+pub struct RowSampler {
+    /// The row's scaled logits.
+    lg: Vec<f32>,
+    /// The survivors' token ids, by descending logit (filtered rows only).
+    cand: Vec<u32>,
+    /// Selection buffer: every token's `key`.
+    keys: Vec<u64>,
+    /// Unnormalized probabilities, by token (unfiltered rows) or by candidate.
+    weights: Vec<f32>,
+}
+
+impl RowSampler {
+    /// One token of the row `logits` under `p` (`p.temperature > 0`).
+    pub fn sample(&mut self, logits: &[f32], p: &RowParams) -> u32 {
+        let vocab = logits.len();
+        if vocab == 0 {
+            return 0;
+        }
+        self.lg.clear();
+        self.lg.extend(logits.iter().map(|&x| x / p.temperature));
+        let top_k = usize::try_from(p.top_k).ok().filter(|&k| k > 0 && k < vocab);
+        let top_p = p.top_p < 1.0;
+        if top_k.is_none() && !top_p {
+            return self.race_all(p);
+        }
+        match top_k {
+            Some(k) => {
+                self.top_k(k);
+                if top_p {
+                    self.cut_top_p(p.top_p);
+                }
+            }
+            None => self.top_p_prefix(p.top_p),
+        }
+        self.race_candidates(p)
+    }
+
+    /// Every token's sort key, in `keys`.
+    fn fill_keys(&mut self) {
+        self.keys.clear();
+        self.keys.extend(self.lg.iter().enumerate().map(|(i, &x)| key(x, i as u32)));
+    }
+
+    /// The first `m` keys (`m` ≤ the vocabulary) sorted into `cand` as token ids: the `m` largest
+    /// logits by descending logit.
+    fn sorted_prefix(&mut self, m: usize) {
+        if m < self.keys.len() {
+            self.keys.select_nth_unstable(m - 1);
+        }
+        self.keys[..m].sort_unstable();
+        self.cand.clear();
+        self.cand.extend(self.keys[..m].iter().map(|&k| id_of(k)));
+    }
+
+    /// Candidates: every token at least the k-th largest, sorted.
+    fn top_k(&mut self, k: usize) {
+        self.fill_keys();
+        self.sorted_prefix(k);
+        // ties with the k-th are kept, and so is NaN (the Python sampler masks `lg < kth` only)
+        let kth = self.lg[self.cand[k - 1] as usize];
+        let below = |x: f32| x.partial_cmp(&kth) == Some(Ordering::Less);
+        let tied = self.keys[k..].iter().copied().filter(|&c| !below(self.lg[id_of(c) as usize]));
+        let mut tied: Vec<u32> = tied.map(id_of).collect();
+        if !tied.is_empty() {
+            tied.sort_unstable_by_key(|&t| key(self.lg[t as usize], t));
+            self.cand.extend(tied);
+        }
+    }
+
+    /// Candidates without top-k: top-p over the whole vocabulary's softmax, on sorted prefixes
+    /// of growing length until the cut falls inside one (or the prefix is the vocabulary).
+    fn top_p_prefix(&mut self, top_p: f32) {
+        let vocab = self.lg.len();
+        let max = self.lg.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum = self.lg.iter().map(|&x| (x - max).exp() as f64).sum::<f64>() as f32;
+        self.fill_keys();
+        let mut m = 64.min(vocab);
+        loop {
+            self.sorted_prefix(m);
+            let lg = &self.lg;
+            let keep = keep_top_p(self.cand.iter().map(|&c| (lg[c as usize] - max).exp() / sum), top_p);
+            if let Some(keep) = keep {
+                self.cand.truncate(keep);
+                return;
+            }
+            if m == vocab {
+                return;
+            }
+            m = (m * 4).min(vocab);
+        }
+    }
+
+    /// Top-p after top-k: the mass is the softmax over the candidates.
+    fn cut_top_p(&mut self, top_p: f32) {
+        let lg = &self.lg;
+        let Some(&first) = self.cand.first() else { return };
+        let max = lg[first as usize];
+        let sum = self.cand.iter().map(|&c| (lg[c as usize] - max).exp() as f64).sum::<f64>() as f32;
+        if let Some(keep) = keep_top_p(self.cand.iter().map(|&c| (lg[c as usize] - max).exp() / sum), top_p) {
+            self.cand.truncate(keep);
+        }
+    }
+
+    /// The race over the sorted candidates.
+    fn race_candidates(&mut self, p: &RowParams) -> u32 {
+        let lg = &self.lg;
+        let max = lg[self.cand[0] as usize];
+        self.weights.clear();
+        self.weights.extend(self.cand.iter().map(|&c| (lg[c as usize] - max).exp()));
+        let sum = self.weights.iter().map(|&w| w as f64).sum::<f64>() as f32;
+        let floor = p.min_p * (1.0 / sum); // the largest probability: the first candidate's weight is exp(0)
+        let mut race = Race::default();
+        for (&c, &w) in self.cand.iter().zip(&self.weights) {
+            let q = w / sum;
+            race.offer(c, if q < floor { 0.0 } else { q }, p);
+        }
+        race.winner.unwrap_or(self.cand[0])
+    }
+
+    /// The race over the whole vocabulary (no top-k or top-p).
+    fn race_all(&mut self, p: &RowParams) -> u32 {
+        let lg = &self.lg;
+        let max = lg.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        self.weights.clear();
+        self.weights.extend(lg.iter().map(|&x| (x - max).exp()));
+        let sum = self.weights.iter().map(|&w| w as f64).sum::<f64>() as f32;
+        let floor = p.min_p * (1.0 / sum); // the largest probability: the largest weight is exp(0)
+        let mut race = Race::default();
+        for (t, &w) in self.weights.iter().enumerate() {
+            let q = w / sum;
+            race.offer(t as u32, if q < floor { 0.0 } else { q }, p);
+        }
+        race.winner.unwrap_or(0)
+    }
+}
+
+/// How many of the probabilities `q` (by descending logit) top-p keeps: up to the first whose
+/// preceding mass exceeds `top_p` (the prefix sum accumulated in float64 and rounded, minus the
+/// probability itself, in float32); `None` if none does.
+fn keep_top_p(q: impl Iterator<Item = f32>, top_p: f32) -> Option<usize> {
+    let mut acc = 0f64;
+    for (j, q) in q.enumerate() {
+        acc += q as f64;
+        if (acc as f32) - q > top_p {
+            return Some(j.max(1));
+        }
+    }
+    None
+}
+
+/// The best p / E offered so far (the first one offered wins ties, as an argmax does).
+#[derive(Debug, Default)]
+struct Race {
+    best: f64,
+    winner: Option<u32>,
+}
+
+impl Race {
+    #[inline]
+    fn offer(&mut self, token: u32, q: f32, p: &RowParams) {
+        let q = q as f64;
+        if self.winner.is_some() {
+            // p / E <= p / (1 - u) <= p / U_MIN: skip what provably cannot beat the best
+            let margin = self.best * (1.0 - 1e-9);
+            if q < margin * U_MIN {
+                return;
+            }
+            let u = uniform(p.seed, p.position, token as i64);
+            if q / (1.0 - u) < margin {
+                return;
+            }
+            let r = q / -u.ln();
+            if r > self.best {
+                (self.best, self.winner) = (r, Some(token));
+            }
+        } else {
+            let r = q / -uniform(p.seed, p.position, token as i64).ln();
+            if !r.is_nan() {
+                (self.best, self.winner) = (r, Some(token));
+            }
+        }
+    }
+}
+
+/// Samples `rows[i]` of `logits` (row-major, `vocab` wide) under `params[i]` into `out[i]`.
+/// Panics if a row index is out of range or the lengths differ (the binding checks both).
+pub fn sample_rows(logits: &[f32], vocab: usize, rows: &[usize], params: &[RowParams], out: &mut [i64]) {
+    assert!(rows.len() == params.len() && rows.len() == out.len());
+    let mut s = RowSampler::default();
+    for ((&r, p), o) in rows.iter().zip(params).zip(out.iter_mut()) {
+        *o = s.sample(&logits[r * vocab..(r + 1) * vocab], p) as i64;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(seed: i64) -> RowParams {
+        RowParams { temperature: 1.0, top_k: -1, top_p: 1.0, min_p: 0.0, seed, position: 3 }
+    }
+
+    /// The race with every logarithm taken: the definition the skipping must not change.
+    fn naive(logits: &[f32], p: &RowParams) -> u32 {
+        let lg: Vec<f32> = logits.iter().map(|&x| x / p.temperature).collect();
+        let max = lg.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let w: Vec<f32> = lg.iter().map(|&x| (x - max).exp()).collect();
+        let sum: f32 = w.iter().sum();
+        let mut best = (f64::NEG_INFINITY, 0);
+        for (t, &w) in w.iter().enumerate() {
+            let r = (w / sum) as f64 / -uniform(p.seed, p.position, t as i64).ln();
+            if r > best.0 {
+                best = (r, t as u32);
+            }
+        }
+        best.1
+    }
+
+    fn logits(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+        (0..n).map(|i| ((uniform(seed as i64, 7, i as i64) as f32) - 0.5) * scale).collect()
+    }
+
+    #[test]
+    fn uniform_matches_the_python_sampler() {
+        // the Python sampler's _uniform at these (seed, position, token), printed by torch
+        assert_eq!(uniform(0, 0, 0), 1e-12); // a zero hash, clamped
+        assert_eq!(uniform(5, 9, 11), 0.17782552385244488);
+        assert_eq!(uniform(-3, 1000, 151_935), 0.08029358573501844);
+        assert_eq!(uniform(123_456_789_012, 7, 2), 0.9795616597003114);
+    }
+
+    #[test]
+    fn skipping_never_changes_the_winner() {
+        let mut s = RowSampler::default();
+        for seed in 0..300 {
+            for scale in [0.5f32, 4.0, 30.0] {
+                let lg = logits(500, seed as u64, scale);
+                let p = params(seed);
+                assert_eq!(s.sample(&lg, &p), naive(&lg, &p), "seed {seed} scale {scale}");
+            }
+        }
+    }
+
+    #[test]
+    fn keys_order_by_descending_logit_then_id() {
+        let xs = [f32::NAN, f32::INFINITY, 2.0, 0.0, -0.0, -1.5, f32::NEG_INFINITY];
+        let keys: Vec<u64> = xs.iter().enumerate().map(|(i, &x)| key(x, i as u32)).collect();
+        assert!(keys.windows(2).all(|w| w[0] < w[1]), "{keys:x?}");
+        assert!(key(1.0, 3) < key(1.0, 4));
+        assert_eq!(id_of(key(-7.0, 42)), 42);
+    }
+
+    #[test]
+    fn top_k_one_is_the_argmax_and_filters_keep_to_their_set() {
+        let mut s = RowSampler::default();
+        let lg = logits(300, 1, 10.0);
+        let argmax = (0..300).max_by(|&a, &b| lg[a].total_cmp(&lg[b])).unwrap() as u32;
+        let mut sorted: Vec<u32> = (0..300).collect();
+        sorted.sort_by(|&a, &b| lg[b as usize].total_cmp(&lg[a as usize]));
+        for seed in 0..200 {
+            assert_eq!(s.sample(&lg, &RowParams { top_k: 1, ..params(seed) }), argmax);
+            let t = s.sample(&lg, &RowParams { top_k: 5, ..params(seed) });
+            assert!(sorted[..5].contains(&t));
+            // a tiny top-p keeps the first token only
+            assert_eq!(s.sample(&lg, &RowParams { top_p: 1e-6, ..params(seed) }), argmax);
+        }
+    }
+
+    #[test]
+    fn samples_follow_the_distribution() {
+        let lg = [0.0f32, (2.0f32).ln(), f32::NEG_INFINITY, (5.0f32).ln()]; // p = 1/8, 2/8, 0, 5/8
+        let mut s = RowSampler::default();
+        let mut counts = [0usize; 4];
+        for pos in 0..8000 {
+            counts[s.sample(&lg, &RowParams { position: pos, ..params(1) }) as usize] += 1;
+        }
+        assert_eq!(counts[2], 0);
+        for (c, want) in counts.iter().zip([1000.0, 2000.0, 0.0, 5000.0]) {
+            assert!((*c as f64 - want).abs() < 250.0, "{counts:?}");
+        }
+        // min-p 0.3 of the largest (5/8) zeroes token 0 (1/8 < 0.1875)
+        for pos in 0..500 {
+            assert_ne!(s.sample(&lg, &RowParams { min_p: 0.3, position: pos, ..params(1) }), 0);
+        }
+    }
+
+    #[test]
+    fn nan_rows_and_all_masked_rows_do_not_panic() {
+        let mut s = RowSampler::default();
+        let p = RowParams { top_k: 2, top_p: 0.5, ..params(0) };
+        s.sample(&[f32::NAN, 1.0, 2.0], &p);
+        s.sample(&[f32::NEG_INFINITY; 4], &p);
+        s.sample(&[f32::NEG_INFINITY; 4], &params(0));
+        s.sample(&[f32::NAN; 4], &params(0));
+    }
+}

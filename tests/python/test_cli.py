@@ -197,13 +197,19 @@ def test_serve_refuses_data_parallel_flags_it_cannot_honour(
     assert said in capsys.readouterr().err
 
 
-def test_ferryman_runs_without_ray_and_serve_ray_says_what_it_needs() -> None:
+def test_ferryman_runs_without_ray_and_what_needs_ray_says_so() -> None:
     code = (
         "import sys\n"
         "sys.modules['ray'] = None  # import ray now fails as if it were not installed\n"
         "import ferryman.server.app, ferryman.server.run, ferryman.engine\n"
+        "from ferryman.engine_setup import ray_workers\n"
+        "try:\n"
+        "    ray_workers()\n"
+        "except ValueError as e:\n"
+        "    print(e)\n"
         "from ferryman.cli import main\n"
         "sys.exit(main(['serve', '--ray', '--data-parallel-size', '2']))\n"
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--ray needs ray[serve]" in p.stderr, p.stderr
+    assert "distributed_executor_backend='ray' needs ray" in p.stdout, p.stdout

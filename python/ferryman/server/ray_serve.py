@@ -85,6 +85,12 @@ class FerrymanReplica:
             raise RuntimeError(f"the engine died: {self.engine.error!r}")
 
 
+def _cpus(args: EngineArgs) -> float:
+    """A replica's CPUs: one per tensor-parallel rank in its own processes (``mp``); one with the
+    ``ray`` backend, whose rank actors reserve their own."""
+    return float(args.tensor_parallel_size if args.distributed_executor_backend == "mp" else 1)
+
+
 def build_application(
     args: EngineArgs,
     *,
@@ -99,7 +105,7 @@ def build_application(
     """The Serve application (``serve.run(build_application(EngineArgs(model=...)))``):
     ``num_replicas`` engines built from ``args``. ``max_ongoing_requests`` caps the requests one
     replica holds (default: ``args.max_num_seqs``; more wait in Serve's queue for the first free
-    replica); ``num_cpus`` (default: the tensor-parallel size) and ``num_gpus`` (default: 1 when
+    replica); ``num_cpus`` (default: ``_cpus``) and ``num_gpus`` (default: 1 when
     ``args.device`` is CUDA, else 0) are each replica's Ray resources; ``shutdown_timeout`` is how
     long a stopping replica lets its requests finish."""
     if num_replicas < 1:
@@ -112,7 +118,7 @@ def build_application(
         name=DEFAULT_NAME,
         num_replicas=num_replicas,
         max_ongoing_requests=max_ongoing_requests or args.max_num_seqs,
-        ray_actor_options={"num_cpus": num_cpus or float(args.tensor_parallel_size), "num_gpus": gpus},
+        ray_actor_options={"num_cpus": num_cpus or _cpus(args), "num_gpus": gpus},
         graceful_shutdown_timeout_s=shutdown_timeout,
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
     )

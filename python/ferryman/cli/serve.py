@@ -43,7 +43,8 @@ def register(sub: Any) -> None:
     r.add_argument(
         "--ray-address",
         default=None,
-        help="the Ray cluster to join (default: $RAY_ADDRESS, else a local cluster started here)",
+        help="the Ray cluster to join (default: $RAY_ADDRESS, else a cluster `ray start` began on this "
+        "machine, else a local one started here and stopped on exit)",
     )
     p.set_defaults(run=run)
 

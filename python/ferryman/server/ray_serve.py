@@ -19,7 +19,6 @@ serve --ray``, or ``build_application`` from Python), so ferryman runs without R
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -136,10 +135,11 @@ def serve_replicas(
     shutdown_timeout: float = 30.0,
     ray_address: str | None = None,
 ) -> int:
-    """``ferryman serve --ray``: joins the Ray cluster at ``ray_address`` (default: $RAY_ADDRESS,
-    else starts a local one), runs the application under Serve on ``host:port`` until SIGTERM or
-    SIGINT, then shuts Serve down (each replica lets its requests finish for up to
-    ``shutdown_timeout`` seconds). Exit status 0, or 1 if the application failed to deploy."""
+    """``ferryman serve --ray``: joins the Ray cluster at ``ray_address`` (default: Ray's rule:
+    $RAY_ADDRESS, else a cluster ``ray start`` began on this machine, else a new local one), runs
+    the application under Serve on ``host:port`` until SIGTERM or SIGINT, then shuts Serve down
+    (each replica lets its requests finish for up to ``shutdown_timeout`` seconds). Exit status 0,
+    or 1 if the application failed to deploy."""
     import ray
 
     app = build_application(
@@ -149,8 +149,7 @@ def serve_replicas(
         max_waiting=max_waiting,
         shutdown_timeout=shutdown_timeout,
     )
-    address = ray_address or os.environ.get("RAY_ADDRESS")
-    ray.init(address=address, include_dashboard=False, log_to_driver=True)
+    ray.init(address=ray_address, include_dashboard=False, log_to_driver=True)
     stop = threading.Event()
     try:
         serve.start(http_options={"host": host, "port": port})

@@ -3,17 +3,17 @@ ranks 1..N-1 as Ray actors, one per bundle of a placement group (one CPU each, p
 nodes as hold them), each running ``worker_main`` from ``worker/tp_workers.py``: the same gloo
 group, rendezvous at rank 0's node address, and the same per-step plans as the ``mp`` backend.
 
-The engine joins the Ray cluster already initialised in its process, else ``$RAY_ADDRESS``, else
-starts a local one. A worker is dead once its ``worker_main`` call has returned or failed (an
-actor killed with ``ray.kill`` included); the next step's collective then fails and the engine
-reports itself dead, as with a killed process. ``kill`` removes the actors and the placement
-group. Ray is imported here only, and only this backend imports this module.
+The engine joins the Ray cluster already initialised in its process, else the one Ray's rule
+finds (``$RAY_ADDRESS``, a cluster ``ray start`` began on this machine), else starts a local one.
+A worker is dead once its ``worker_main`` call has returned or failed (an actor killed with
+``ray.kill`` included); the next step's collective then fails and the engine reports itself
+dead, as with a killed process. ``kill`` removes the actors and the placement group. Ray is
+imported here only, and only this backend imports this module.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -36,7 +36,7 @@ class RayWorkers:
 
     def __init__(self, spec: RankSpec) -> None:
         if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True)
+            ray.init(include_dashboard=False, log_to_driver=True)
         n = spec.world - 1
         self.group = placement_group([{"CPU": 1.0}] * n, strategy="PACK")
         ready, _ = ray.wait([self.group.ready()], timeout=PLACEMENT_TIMEOUT_S)

@@ -4,6 +4,7 @@ CPU). Prints one JSON line.
 
     python benchmarks/tp_plan.py                      # SmolLM2 over 3 ranks (2 does not divide its 9 heads)
     python benchmarks/tp_plan.py --model tiny --tp 2  # the tests' random Llama
+    python benchmarks/tp_plan.py --model tiny --tp 2 --backend ray  # rank 1 as a Ray actor
 
 ``--requests`` greedy requests (default 16) of a short prompt decode ``--max-tokens`` tokens
 together; after ``--warmup`` steps (the workers finish loading during the first), each
@@ -34,9 +35,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--backend", choices=("mp", "ray"), default="mp", help="distributed_executor_backend")
     a = ap.parse_args(argv)
     model = tiny_model(Path(tempfile.mkdtemp())) if a.model == "tiny" else a.model
-    eng = Engine(model, device="cpu", calibrate=False, tensor_parallel_size=a.tp, max_model_len=256)
+    eng = Engine(
+        model,
+        device="cpu",
+        calibrate=False,
+        tensor_parallel_size=a.tp,
+        max_model_len=256,
+        distributed_executor_backend=a.backend,
+    )
     runner: Any = eng.runner  # a TensorParallelRunner
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
@@ -56,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "model": a.model,
                     "tensor_parallel_size": a.tp,
+                    "backend": a.backend,
                     "requests": a.requests,
                     "timed_steps": len(steps),
                     "step_ms_median": round(statistics.median(steps) * 1e3, 3),

@@ -162,6 +162,12 @@ class EngineArgs(SchedulerArgs):
     tensor_parallel_size: int = knob(
         1, "processes one model is split over (tensor parallelism; CPU with gloo for now)", check=at_least(1)
     )
+    distributed_executor_backend: str = knob(
+        "mp",
+        "how tensor-parallel ranks 1..N-1 start: spawned processes (mp) or Ray actors in a placement "
+        "group (ray; needs ray)",
+        choices=("mp", "ray"),
+    )
     calibrate: bool = knob(True, "measure the host link and prefill rate at start-up for the cost model")
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,7 @@ from ferryman.models.tensor_parallel import TensorParallel
 from ferryman.worker.calibrate import host_link_bytes_per_s, prefill_tokens_per_s, profile_kv_blocks
 from ferryman.worker.kv_cache import KvCache
 from ferryman.worker.model_runner import ModelRunner, runner_with_pool
-from ferryman.worker.tp_workers import RankSpec, free_port
+from ferryman.worker.tp_workers import RankSpec, SpawnedWorkers, Workers, free_port
 from ferryman.worker.tp_workers import start as start_ranks
 
 
@@ -67,6 +68,8 @@ def build_parts(args: EngineArgs) -> EngineParts:
         raise InvalidRequestError(
             "tensor_parallel_size > 1 runs on CPU (gloo) for now; CUDA is not wired yet"
         )
+    ray_backend = n > 1 and args.distributed_executor_backend == "ray"
+    launch = ray_workers() if ray_backend else SpawnedWorkers  # before loading: fails fast without Ray
     model, tokenizer = load_model(path, dtype, device, TensorParallel(0, n))
     mc, block_size = model.cfg, args.block_size
     # one rank's KV heads of a block (all of them without tensor parallelism)
@@ -89,7 +92,7 @@ def build_parts(args: EngineArgs) -> EngineParts:
             num_device_blocks, num_host_blocks, args.max_num_seqs, max_model_len, args.attention_backend,
             float(os.environ.get("FERRYMAN_TEST_TP_TIMEOUT_S") or 60),
         )  # fmt: skip
-        runner: Any = start_ranks(spec, model)
+        runner: Any = start_ranks(spec, model, launch)
         kv = runner.kv
     else:
         runner = runner_with_pool(
@@ -137,6 +140,17 @@ def build_parts(args: EngineArgs) -> EngineParts:
         calibration_s,
         generation_defaults(path) if path.is_dir() else {},
     )
+
+
+def ray_workers() -> Callable[[RankSpec], Workers]:
+    """The ``ray`` executor backend's launcher, or a clear error without Ray."""
+    try:
+        from ferryman.worker.ray_ranks import RayWorkers
+    except ImportError as e:
+        raise InvalidRequestError(
+            f"distributed_executor_backend='ray' needs ray (pip install 'ray[serve]'): {e}"
+        ) from None
+    return RayWorkers
 
 
 def overlap(args: EngineArgs, device: torch.device) -> bool:

@@ -180,3 +180,36 @@ def test_bench_throughput_does_not_take_engine_only_flags(capsys: pytest.Capture
         main(["bench", "throughput", "--enforce-eager"])
     assert e.value.code == 2
     assert "unrecognized arguments: --enforce-eager" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--data-parallel-size", "2"], "--data-parallel-size > 1 needs --ray"),
+        (["--data-parallel-size", "0", "--ray"], "--data-parallel-size must be >= 1"),
+        (["--ray", "--trace", "t.jsonl"], "--trace is not supported with --ray"),
+    ],
+)
+def test_serve_refuses_data_parallel_flags_it_cannot_honour(
+    flags: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", *flags]) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_ferryman_runs_without_ray_and_what_needs_ray_says_so() -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['ray'] = None  # import ray now fails as if it were not installed\n"
+        "import ferryman.server.app, ferryman.server.run, ferryman.engine\n"
+        "from ferryman.engine_setup import ray_workers\n"
+        "try:\n"
+        "    ray_workers()\n"
+        "except ValueError as e:\n"
+        "    print(e)\n"
+        "from ferryman.cli import main\n"
+        "sys.exit(main(['serve', '--ray', '--data-parallel-size', '2']))\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--ray needs ray[serve]" in p.stderr, p.stderr
+    assert "distributed_executor_backend='ray' needs ray" in p.stdout, p.stdout

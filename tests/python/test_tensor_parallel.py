@@ -139,7 +139,7 @@ def test_a_dead_rank_kills_the_engine_not_hangs_it(tmp_path: Path) -> None:
     try:
         eng.add_request("a", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
         eng.step()
-        worker = eng.runner.procs[0]
+        worker = eng.runner.workers.procs[0]
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(timeout=10)
         started = time.monotonic()

@@ -1,8 +1,10 @@
-"""``ferryman serve``: the OpenAI-compatible HTTP server, every engine knob a flag."""
+"""``ferryman serve``: the OpenAI-compatible HTTP server, every engine knob a flag; with ``--ray``,
+``--data-parallel-size`` engines behind one endpoint on Ray Serve (Ray is imported only then)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from ferryman.engine_args import EngineArgs, add_cli_args, from_cli
@@ -25,10 +27,37 @@ def register(sub: Any) -> None:
         help="on SIGTERM, seconds the running requests may take to finish before they are aborted "
         "(default: 30)",
     )
+    r = p.add_argument_group("data parallelism (Ray Serve)")
+    r.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine replicas behind the one endpoint, each with its own model and KV pool (needs --ray)",
+    )
+    r.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve through Ray Serve: each replica a Ray actor, each request routed by Serve's router "
+        "(needs ray[serve])",
+    )
+    r.add_argument(
+        "--ray-address",
+        default=None,
+        help="the Ray cluster to join (default: $RAY_ADDRESS, else a cluster `ray start` began on this "
+        "machine, else a local one started here and stopped on exit)",
+    )
     p.set_defaults(run=run)
 
 
 def run(a: argparse.Namespace) -> int:
+    if a.data_parallel_size < 1:
+        print("ferryman serve: error: --data-parallel-size must be >= 1", file=sys.stderr)
+        return 2
+    if a.ray:
+        return _run_ray(a)
+    if a.data_parallel_size > 1:
+        print("ferryman serve: error: --data-parallel-size > 1 needs --ray", file=sys.stderr)
+        return 2
     from ferryman.server.run import serve
 
     return serve(
@@ -40,4 +69,25 @@ def run(a: argparse.Namespace) -> int:
         trace=a.trace,
         log_level=a.log_level,
         shutdown_timeout=a.shutdown_timeout,
+    )
+
+
+def _run_ray(a: argparse.Namespace) -> int:
+    if a.trace is not None:
+        print("ferryman serve: error: --trace is not supported with --ray", file=sys.stderr)
+        return 2
+    try:
+        from ferryman.server.ray_serve import serve_replicas
+    except ImportError as e:
+        print(f"ferryman serve: error: --ray needs ray[serve] ({e})", file=sys.stderr)
+        return 2
+    return serve_replicas(
+        from_cli(EngineArgs, a),
+        num_replicas=a.data_parallel_size,
+        host=a.host,
+        port=a.port,
+        served_model_name=a.served_model_name,
+        max_waiting=a.max_waiting,
+        shutdown_timeout=a.shutdown_timeout,
+        ray_address=a.ray_address,
     )

@@ -1,8 +1,10 @@
 """Tensor-parallel ranks of one engine (``tensor_parallel_size`` > 1): rank 0 is the engine's own
-process, which schedules, samples and turns tokens into text; ranks 1..N-1 are worker processes
-(``torch.multiprocessing`` spawn) that only run the forward of their slice of the model
-(``models/tensor_parallel.py``) over their own KV pool, which holds their KV heads of every
-block.
+process, which schedules, samples and turns tokens into text; ranks 1..N-1 are workers that only
+run the forward of their slice of the model (``models/tensor_parallel.py``) over their own KV
+pool, which holds their KV heads of every block. How the workers start is the one thing the
+executor backends differ in (``Workers``): ``mp`` spawns processes (``torch.multiprocessing``),
+``ray`` places Ray actors in a placement group (``worker/ray_ranks.py``); both run
+``worker_main``, the same gloo group and the same plans.
 
 Each step's plan (the arrays the runner reads, about twenty small numpy arrays) reaches the
 workers in one ``broadcast_object_list`` from rank 0 before rank 0 runs it; every rank then runs
@@ -29,10 +31,11 @@ import atexit
 import contextlib
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -140,29 +143,72 @@ def worker_main(rank: int, spec: RankSpec) -> None:
         dist.destroy_process_group()
 
 
-def start(spec: RankSpec, model: Any) -> TensorParallelRunner:
-    """Spawns ranks 1..N-1, joins them as rank 0 and builds rank 0's runner around ``model``."""
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=worker_main, args=(r, spec), daemon=True) for r in range(1, spec.world)]
-    for p in procs:
-        p.start()
+class Workers(Protocol):
+    """Ranks 1..N-1, however they were started (each runs ``worker_main``); ``spec`` is the one
+    they joined with, which rank 0 joins with too."""
+
+    spec: RankSpec
+
+    def dead(self) -> list[str]:
+        """The workers that have stopped, named for an error message."""
+        ...
+
+    def join(self, timeout: float) -> None:
+        """Waits up to ``timeout`` seconds for every worker to return."""
+        ...
+
+    def kill(self) -> None:
+        """Stops every worker still running and frees what starting them took."""
+        ...
+
+
+class SpawnedWorkers:
+    """The ``mp`` backend: one ``torch.multiprocessing`` spawn process per worker rank."""
+
+    def __init__(self, spec: RankSpec) -> None:
+        self.spec = spec
+        ctx = mp.get_context("spawn")
+        self.procs = [
+            ctx.Process(target=worker_main, args=(r, spec), daemon=True) for r in range(1, spec.world)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def dead(self) -> list[str]:
+        return [f"pid {p.pid}" for p in self.procs if not p.is_alive()]
+
+    def join(self, timeout: float) -> None:
+        for p in self.procs:
+            p.join(timeout=timeout)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+
+
+def start(
+    spec: RankSpec, model: Any, launch: Callable[[RankSpec], Workers] = SpawnedWorkers
+) -> TensorParallelRunner:
+    """Starts ranks 1..N-1 with ``launch`` (the ``mp`` backend unless given), joins them as rank 0
+    and builds rank 0's runner around ``model``."""
+    workers = launch(spec)
     try:
-        plans = init_rank(spec, 0)
-        return TensorParallelRunner(build_runner(spec, 0, model), procs, plans)
+        plans = init_rank(workers.spec, 0)
+        return TensorParallelRunner(build_runner(workers.spec, 0, model), workers, plans)
     except BaseException:  # no half-started ranks left behind
-        for p in procs:
-            p.kill()
+        workers.kill()
         if dist.is_initialized():
             dist.destroy_process_group()
         raise
 
 
 class TensorParallelRunner:
-    """Rank 0's runner: starts the workers, sends each plan to them, then runs it here. Anything
-    else (the KV pool, the model, graph counts) is rank 0's runner's."""
+    """Rank 0's runner: sends each plan to the workers, then runs it here. Anything else (the KV
+    pool, the model, graph counts) is rank 0's runner's."""
 
-    def __init__(self, local: ModelRunner, procs: list[Any], plans: Any) -> None:
-        self.local, self.procs, self.plans, self.stopped = local, procs, plans, False
+    def __init__(self, local: ModelRunner, workers: Workers, plans: Any) -> None:
+        self.local, self.workers, self.plans, self.stopped = local, workers, plans, False
         self.plan_send_s, self.num_plans = 0.0, 0
         atexit.register(self.shutdown)
 
@@ -179,8 +225,8 @@ class TensorParallelRunner:
             self.num_plans += 1
             return self.local.execute(out, prev, also)
         except Exception as e:  # a collective failed, or the ranks are out of step: nothing can run
-            dead = [p.pid for p in self.procs if not p.is_alive()]
-            raise RankFailedError(f"a tensor-parallel rank failed (dead worker pids: {dead}): {e!r}") from e
+            dead = ", ".join(self.workers.dead()) or "none yet"
+            raise RankFailedError(f"a tensor-parallel rank failed (workers stopped: {dead}): {e!r}") from e
 
     def shutdown(self) -> None:
         """Stops the workers (they exit after the ``None`` plan) and leaves the group."""
@@ -189,10 +235,8 @@ class TensorParallelRunner:
         self.stopped = True
         with contextlib.suppress(RuntimeError):  # a worker already gone (gloo raises plain ones)
             dist.broadcast_object_list([None], src=0, group=self.plans)
-        for p in self.procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+        self.workers.join(timeout=10)
+        self.workers.kill()
         dist.destroy_process_group()
 
     def __getattr__(self, name: str) -> Any:

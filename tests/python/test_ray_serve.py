@@ -1,0 +1,231 @@
+"""Data-parallel replicas on Ray Serve, started for real: ``python -m ferryman serve
+--data-parallel-size 2 --ray`` on a tiny random Llama with a byte-level tokenizer (a local Ray
+cluster, two replicas, each its own engine), driven through the official ``openai`` client:
+completion and chat against the offline engine's greedy text, a stream whose deltas concatenate
+to it, a client that hangs up mid-stream (its replica aborts the request while the others
+answer), both replicas used, and SIGTERM stopping Serve and Ray with status 0.
+
+One server serves the whole file (starting Ray and two replicas is most of its time). Each
+replica names itself in the ``x-ferryman-replica`` response header, so a replica's own /metrics
+are found by asking until it answers."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from tiny_models import build
+
+from ferryman.engine import Engine
+from ferryman.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None,
+    reason="ray[serve] is not installed (pip install 'ray[serve]'); ferryman serve --ray needs it",
+)
+
+REPLICA_HEADER = "x-ferryman-replica"
+ENGINE_FLAGS = ["--no-calibrate", "--num-device-blocks", "256", "--num-host-blocks", "0"]
+
+
+class RayServer:
+    """``ferryman serve --ray`` in a subprocess; up once it says it is serving (after Serve has
+    deployed every replica)."""
+
+    def __init__(self, model: Path, replicas: int, log: Path) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "ferryman", "serve", "--model", str(model), "--port", str(self.port)]
+        cmd += [*ENGINE_FLAGS, "--data-parallel-size", str(replicas), "--ray"]
+        self.log = log
+        self._out = open(log, "w")  # noqa: SIM115 (closed in stop())
+        # RAY_ADDRESS unset: the command starts its own local cluster and stops it on exit
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 240
+        while "ferryman: serving" not in log.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"ferryman serve --ray did not come up:\n{log.read_text()}")
+            time.sleep(0.2)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._out.close()
+        return self.proc.returncode
+
+    def replica_metrics(
+        self, done: Callable[[dict[str, dict[str, float]]], bool]
+    ) -> dict[str, dict[str, float]]:
+        """Each replica's /metrics (each metric's samples summed over labels, and the requests
+        finished by abort as ``abort``), asking until ``done`` holds for what was seen (bounded)."""
+        seen: dict[str, dict[str, float]] = {}
+        for _ in range(400):
+            r = httpx.get(self.url + "/metrics")
+            assert r.status_code == 200, r.text
+            values: dict[str, float] = {}
+            for line in r.text.splitlines():
+                if line.startswith("ferryman_"):
+                    name, value = line.rsplit(" ", 1)
+                    key = name.partition("{")[0]
+                    if key == "ferryman_requests_finished_total" and 'reason="abort"' in name:
+                        values["abort"] = float(value)
+                    values[key] = values.get(key, 0.0) + float(value)
+            seen[r.headers[REPLICA_HEADER]] = values
+            if done(seen):
+                return seen
+            time.sleep(0.05)
+        raise AssertionError(f"replica metrics never settled: {seen}")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build("llama", tmp_path_factory.mktemp("ray"), tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayServer]:
+    s = RayServer(model_dir, 2, tmp_path_factory.mktemp("logs") / "ray_serve.log")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir: Path) -> Engine:
+    return Engine(str(model_dir), num_device_blocks=256, num_host_blocks=0, calibrate=False)
+
+
+def greedy(offline: Engine, prompt: str, n: int) -> str:
+    return (
+        offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0]
+        .outputs[0]
+        .text
+    )
+
+
+EXTRA = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model(server: RayServer) -> str:
+    return str(httpx.get(server.url + "/v1/models").json()["data"][0]["id"])
+
+
+def test_completion_and_chat_match_the_offline_engine(server: RayServer, offline: Engine) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    model = client.models.list().data[0].id  # the listing, through the client
+    c = client.completions.create(model=model, prompt="Once", max_tokens=10, temperature=0, extra_body=EXTRA)
+    assert c.choices[0].text == greedy(offline, "Once", 10)
+    assert c.usage is not None and c.usage.completion_tokens == 10
+    msgs: Any = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(
+        model=model, messages=msgs, max_tokens=10, temperature=0, extra_body=EXTRA
+    )
+    want = offline.chat(msgs, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    assert chat.choices[0].message.content == want.outputs[0].text
+    with pytest.raises(openai.BadRequestError):  # a replica's 400, with OpenAI's error body
+        client.completions.create(model=model, prompt="x", max_tokens=2, temperature=-1)
+
+
+def test_streamed_deltas_concatenate_to_the_greedy_text(
+    server: RayServer, offline: Engine, model: str
+) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    stream = client.completions.create(
+        model=model, prompt="Hello there", max_tokens=24, temperature=0, stream=True, extra_body=EXTRA
+    )
+    chunks = list(stream)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == greedy(offline, "Hello there", 24)
+
+
+def test_concurrent_requests_use_both_replicas(server: RayServer, offline: Engine, model: str) -> None:
+    import openai
+
+    prompts = [f"Story {i}:" for i in range(8)]
+
+    async def one(client: openai.AsyncOpenAI, prompt: str) -> tuple[str, str]:
+        async with client.completions.with_streaming_response.create(
+            model=model, prompt=prompt, max_tokens=16, temperature=0, stream=True, extra_body=EXTRA
+        ) as resp:
+            text = [ch.choices[0].text async for ch in await resp.parse() if ch.choices]
+            return resp.headers[REPLICA_HEADER], "".join(text)
+
+    async def run() -> list[tuple[str, str]]:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused") as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    got = asyncio.run(run())
+    assert {replica for replica, _ in got} == set(server.replica_metrics(lambda s: len(s) == 2))
+    assert [text for _, text in got] == [greedy(offline, p, 16) for p in prompts]
+
+
+def test_disconnect_mid_stream_aborts_on_its_replica_while_others_answer(
+    server: RayServer, offline: Engine, model: str
+) -> None:
+    import openai
+
+    before = server.replica_metrics(lambda s: len(s) == 2)
+
+    async def hang_up(client: openai.AsyncOpenAI) -> str:
+        async with client.completions.with_streaming_response.create(
+            model=model, prompt="Long", max_tokens=200, temperature=0, stream=True, extra_body=EXTRA
+        ) as resp:
+            async for _ in await resp.parse():
+                break  # leaving the block closes the connection after the first chunk
+            return resp.headers[REPLICA_HEADER]
+
+    async def answer(client: openai.AsyncOpenAI, i: int) -> tuple[str, str]:
+        r = await client.completions.with_raw_response.create(
+            model=model, prompt=f"Other {i}", max_tokens=12, temperature=0, extra_body=EXTRA
+        )
+        return r.headers[REPLICA_HEADER], r.parse().choices[0].text
+
+    async def run() -> tuple[str, list[tuple[str, str]]]:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused") as client:
+            replica, *others = await asyncio.gather(hang_up(client), *(answer(client, i) for i in range(4)))
+            return replica, others
+
+    replica, others = asyncio.run(run())
+    assert [text for _, text in others] == [greedy(offline, f"Other {i}", 12) for i in range(4)]
+    after = server.replica_metrics(
+        lambda s: replica in s and s[replica].get("abort", 0) > before[replica].get("abort", 0)
+    )
+    assert after[replica]["abort"] == before[replica].get("abort", 0) + 1
+    # the aborted request stopped before its 200 tokens; nothing is left running
+    generated = after[replica]["ferryman_generation_tokens_total"]
+    generated -= before[replica]["ferryman_generation_tokens_total"]
+    assert generated - 12 * sum(r == replica for r, _ in others) < 200
+    settled = server.replica_metrics(
+        lambda s: len(s) == 2 and all(v["ferryman_num_requests_running"] == 0 for v in s.values())
+    )
+    assert all(v["ferryman_num_requests_running"] == 0 for v in settled.values())
+
+
+def test_sigterm_stops_serve_and_ray_with_status_0(server: RayServer) -> None:
+    assert server.stop() == 0
+    with pytest.raises(httpx.TransportError):
+        httpx.get(server.url + "/health", timeout=2)

@@ -244,8 +244,8 @@ impl Race {
                 return;
             }
             let u = uniform(p.seed, p.position, token as i64);
-            if q / (1.0 - u) < margin {
-                return;
+            if q < margin * (1.0 - u) {
+                return; // q / (1 - u) < margin, without a division
             }
             let r = q / -u.ln();
             if r > self.best {

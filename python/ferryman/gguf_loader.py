@@ -18,7 +18,8 @@ machine), so what they produce is cached under ``$FERRYMAN_CACHE_DIR`` (default
 ``~/.cache/ferryman``) ``/gguf/<sha256 of the file>``: the float32 tensors as safetensors, the
 config as JSON, the tokenizer as saved by transformers. A later load of the same bytes reads
 those (the file's hash, ~0.1 s, is the key, salted with ``CONVERSION_VERSION``: a changed file,
-or a conversion that changed, is converted again). A cache that
+or a conversion that changed, is converted again), and reads the tokenizer without transformers
+(``tokenizer.ChatTokenizer``) where that gives what transformers gives. A cache that
 cannot be written is skipped with a warning.
 """
 
@@ -41,6 +42,7 @@ from ferryman.models.config import ModelConfig
 from ferryman.models.llama import LlamaForCausalLM
 from ferryman.models.rope import yarn_attention_factor
 from ferryman.models.tensor_parallel import TensorParallel
+from ferryman.tokenizer import load_saved
 
 CONVERSION_VERSION = b"ferryman-gguf-2"  # bump when what ``convert`` produces changes
 
@@ -149,19 +151,26 @@ def load_gguf(
     """Returns the model (eval mode; ``tp``'s rank's slice) and its tokenizer (with the file's
     chat template), from the conversion cache when it holds this file."""
     from safetensors.torch import load_file
-    from transformers import AutoTokenizer
 
     path = Path(path)
     cache = cache_dir(path)
     if (cache / "config.json").is_file():
         cfg = ModelConfig(**json.loads((cache / "config.json").read_text()))
-        tokenizer = AutoTokenizer.from_pretrained(str(cache / "tokenizer"))
         return LlamaForCausalLM.from_tensors(
             cfg, load_file(cache / "model.safetensors"), dtype, device, tp
-        ), tokenizer
+        ), _cached_tokenizer(cache)
     cfg, tensors, tokenizer = convert(path)
     _store(cache, cfg, tensors, tokenizer)
+    if (cache / "tokenizer").is_dir():  # the same tokenizer object a later, cached load gives
+        tokenizer = _cached_tokenizer(cache)
     return LlamaForCausalLM.from_tensors(cfg, tensors, dtype, device, tp), tokenizer
+
+
+def _cached_tokenizer(cache: Path) -> Any:
+    """The cached conversion's tokenizer: a ``ChatTokenizer`` where it reproduces transformers'
+    (``tokenizer.load_saved``), or None where the conversion stored none."""
+    folder = cache / "tokenizer"
+    return load_saved(folder) if folder.is_dir() else None
 
 
 def _store(cache: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], tokenizer: Any) -> None:

@@ -180,12 +180,16 @@ class LlamaForCausalLM(nn.Module):
     ) -> LlamaForCausalLM:
         """The model (or ``tp``'s rank's slice of it) in eval mode on ``device``, built without
         initialising weights and loaded from Hugging Face-named ``tensors``; the RoPE
-        frequencies stay float32. ``sliced``: the tensors are that rank's slices already."""
+        frequencies stay float32. ``sliced``: the tensors are that rank's slices already.
+
+        A given tensor already contiguous, in ``dtype`` and on ``device`` becomes the parameter
+        itself, not a copy (a memory-mapped checkpoint stays mapped: its file must not change
+        while the model lives); fused projections are new tensors."""
         with torch.device("meta"):
             model = cls(cfg, tp)
-        model = model.to_empty(device=device).to(dtype)
         model.load_hf_state_dict(tensors, sliced)
-        model.inv_freq = rope_inv_freq(cfg).to(device)  # to_empty leaves buffers unset
+        model = model.to(device=device, dtype=dtype)  # copies only what is elsewhere or in another dtype
+        model.inv_freq = rope_inv_freq(cfg).to(device)  # not a checkpoint tensor: still on meta
         return model.eval()
 
     def forward(
@@ -230,7 +234,8 @@ class LlamaForCausalLM(nn.Module):
         return True
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor], sliced: bool = False) -> None:
-        """Loads weights named as in a Hugging Face checkpoint; names every missing tensor."""
+        """Takes weights named as in a Hugging Face checkpoint as the parameters (assigned, not
+        copied: a tensor shared with the caller stays shared); names every missing tensor."""
         own = self.state_dict()
         given = {our_name(name): t for name, t in tensors.items()}
         # extra tensors (a tied model's lm_head, rotary buffers) are ignored
@@ -241,7 +246,7 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
         mapped = {
-            key: given[names[0]] if len(names) == 1 else torch.cat([given[n] for n in names])
+            key: (given[names[0]] if len(names) == 1 else torch.cat([given[n] for n in names])).contiguous()
             for key, names in sources.items()
         }
         for key, t in mapped.items():
@@ -249,4 +254,4 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(
                     f"tensor {key}: checkpoint shape {tuple(t.shape)} != {tuple(own[key].shape)}"
                 )
-        self.load_state_dict(mapped, strict=True)
+        self.load_state_dict(mapped, strict=True, assign=True)

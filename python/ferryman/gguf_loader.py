@@ -15,8 +15,10 @@ ignores both for these architectures, so it runs a Llama 3.1 GGUF with unscaled 
 
 Parsing, dequantizing and converting the tokenizer take seconds (~11 s for SmolLM2 on a 2-core
 machine), so what they produce is cached under ``$FERRYMAN_CACHE_DIR`` (default
-``~/.cache/ferryman``) ``/gguf/<sha256 of the file>``: the float32 tensors as safetensors, the
-config as JSON, the tokenizer as saved by transformers. A later load of the same bytes reads
+``~/.cache/ferryman``) ``/gguf/<sha256 of the file>``: the float32 tensors as safetensors (each
+layer's q/k/v and gate/up stacked as the model holds them, ``stack_projections``, so that a cached
+load is memory-mapped tensors taken as the parameters, with no concatenation), the config as
+JSON, the tokenizer as saved by transformers. A later load of the same bytes reads
 those (the file's hash, ~0.1 s, is the key, salted with ``CONVERSION_VERSION``: a changed file,
 or a conversion that changed, is converted again), and reads the tokenizer without transformers
 (``tokenizer.ChatTokenizer``) where that gives what transformers gives. A cache that
@@ -39,12 +41,12 @@ import numpy as np
 import torch
 
 from ferryman.models.config import ModelConfig
-from ferryman.models.llama import LlamaForCausalLM
+from ferryman.models.llama import FUSED_PROJECTIONS, LlamaForCausalLM
 from ferryman.models.rope import yarn_attention_factor
 from ferryman.models.tensor_parallel import TensorParallel
 from ferryman.tokenizer import load_saved
 
-CONVERSION_VERSION = b"ferryman-gguf-2"  # bump when what ``convert`` produces changes
+CONVERSION_VERSION = b"ferryman-gguf-3"  # bump when what ``convert`` produces changes
 
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _LAYER = {
@@ -156,9 +158,10 @@ def load_gguf(
     cache = cache_dir(path)
     if (cache / "config.json").is_file():
         cfg = ModelConfig(**json.loads((cache / "config.json").read_text()))
-        return LlamaForCausalLM.from_tensors(
-            cfg, load_file(cache / "model.safetensors"), dtype, device, tp
-        ), _cached_tokenizer(cache)
+        tensors = load_file(cache / "model.safetensors")
+        if tp is not None and tp.world > 1:  # ranks slice each part of a stacked tensor
+            tensors = split_projections(tensors, cfg)
+        return LlamaForCausalLM.from_tensors(cfg, tensors, dtype, device, tp), _cached_tokenizer(cache)
     cfg, tensors, tokenizer = convert(path)
     _store(cache, cfg, tensors, tokenizer)
     if (cache / "tokenizer").is_dir():  # the same tokenizer object a later, cached load gives
@@ -180,8 +183,9 @@ def _store(cache: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], toke
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=".tmp-"))
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / "model.safetensors")
-        tokenizer.save_pretrained(str(tmp / "tokenizer"))
+        save_file(stack_projections(tensors), tmp / "model.safetensors")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp / "tokenizer"))
         (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
         try:
             tmp.rename(cache)
@@ -189,6 +193,38 @@ def _store(cache: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], toke
             shutil.rmtree(tmp, ignore_errors=True)
     except OSError as e:
         warnings.warn(f"ferryman: cannot cache the GGUF conversion in {cache}: {e}", stacklevel=2)
+
+
+def stack_projections(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors (contiguous) with each layer's q/k/v and gate/up weights and biases stacked
+    into one tensor under the name the model holds it by (``model.layers.N.qkv_proj.weight``
+    from a GGUF's names)."""
+    out = {k: v.contiguous() for k, v in tensors.items()}
+    for key in list(out):
+        *prefix, name, kind = key.split(".")
+        for fused, parts in FUSED_PROJECTIONS.items():
+            names = [".".join([*prefix, p, kind]) for p in parts]
+            if name == parts[0] and all(n in out for n in names):
+                out[".".join([*prefix, fused, kind])] = torch.cat([out.pop(n) for n in names])
+    return out
+
+
+def split_projections(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """``stack_projections`` undone, as views: each stacked tensor back into its parts."""
+    d = cfg.head_dim
+    sizes = {
+        "qkv_proj": [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d],
+        "gate_up_proj": [cfg.intermediate_size] * 2,
+    }
+    out: dict[str, torch.Tensor] = {}
+    for key, t in tensors.items():
+        *prefix, name, kind = key.split(".")
+        if name not in FUSED_PROJECTIONS:
+            out[key] = t
+            continue
+        for part, piece in zip(FUSED_PROJECTIONS[name], torch.split(t, sizes[name]), strict=True):
+            out[".".join([*prefix, part, kind])] = piece
+    return out
 
 
 def convert(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Any]:

@@ -98,7 +98,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 # Projections that read the same input run as one GEMM over their stacked weights: three GEMVs
 # fewer per layer on a GPU (not yet measured there). On CPU it is neutral end to end (5-7% less
 # projection time in a microbenchmark, within noise in a whole decode step; README). Checkpoints
-# keep the separate names; the loader stacks them.
+# keep the separate names and the loader stacks them; one that holds a stacked tensor under the
+# model's own name (the GGUF conversion cache) gives it as is.
 FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
@@ -184,7 +185,7 @@ class LlamaForCausalLM(nn.Module):
 
         A given tensor already contiguous, in ``dtype`` and on ``device`` becomes the parameter
         itself, not a copy (a memory-mapped checkpoint stays mapped: its file must not change
-        while the model lives); fused projections are new tensors."""
+        while the model lives); projections stacked here are new tensors."""
         with torch.device("meta"):
             model = cls(cfg, tp)
         model.load_hf_state_dict(tensors, sliced)
@@ -241,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
         # extra tensors (a tied model's lm_head, rotary buffers) are ignored
         if self.tp.world > 1 and not sliced:
             given = {n: shard_tensor(n, t, self.cfg, self.shard) for n, t in given.items()}
-        sources = {key: _checkpoint_names(key) for key in own}
+        sources = {key: [key] if key in given else _checkpoint_names(key) for key in own}
         missing = sorted(n for names in sources.values() for n in names if n not in given)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")

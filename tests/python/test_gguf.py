@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -145,7 +147,7 @@ def test_the_gguf_conversion_is_cached_by_the_files_hash(
     import gguf
 
     from ferryman.engine import Engine
-    from ferryman.gguf_loader import cache_dir
+    from ferryman.gguf_cache import cache_dir
 
     monkeypatch.setenv("FERRYMAN_CACHE_DIR", str(tmp_path))
     sp = SamplingParams(temperature=0.0, max_tokens=8)
@@ -175,7 +177,7 @@ def test_the_cache_stores_projections_stacked_and_loads_them_as_the_parameters(
     from safetensors.torch import load_file
     from tiny_models import build
 
-    from ferryman.gguf_loader import split_projections, stack_projections
+    from ferryman.gguf_cache import split_projections, stack_projections
     from ferryman.models.config import ModelConfig
     from ferryman.models.llama import LlamaForCausalLM
 
@@ -206,7 +208,7 @@ def test_tensor_parallel_ranks_slice_a_cached_gguf_as_they_slice_its_tensors(
     from test_models_config import write_llama_gguf
     from tiny_models import build
 
-    from ferryman import gguf_loader
+    from ferryman import gguf_cache, gguf_loader
     from ferryman.model_loader import load_model
     from ferryman.models.llama import LlamaForCausalLM
     from ferryman.models.tensor_parallel import TensorParallel
@@ -218,10 +220,39 @@ def test_tensor_parallel_ranks_slice_a_cached_gguf_as_they_slice_its_tensors(
     cfg, tensors, _ = gguf_loader.convert(gguf_path)
     cpu = torch.device("cpu")
     load_model(gguf_path, torch.float32, cpu)  # converts and fills the cache
-    assert (gguf_loader.cache_dir(gguf_path) / "model.safetensors").is_file()
+    assert (gguf_cache.cache_dir(gguf_path) / "model.safetensors").is_file()
     for rank in (0, 1):
         tp = TensorParallel(rank, 2)
         got, tok = load_model(gguf_path, torch.float32, cpu, tp)
         want = LlamaForCausalLM.from_tensors(cfg, tensors, torch.float32, cpu, tp).state_dict()
         assert tok is None and set(got.state_dict()) == set(want)
         assert all(torch.equal(got.state_dict()[k], want[k]) for k in want)
+
+
+def test_the_cache_key_is_the_files_hash_remembered_until_the_file_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ferryman import gguf_cache
+
+    monkeypatch.setenv("FERRYMAN_CACHE_DIR", str(tmp_path / "cache"))
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"first bytes")
+    first = gguf_cache.cache_dir(f)
+    assert first == tmp_path / "cache" / "gguf" / gguf_cache.content_key(f)
+
+    def unread(_: Path) -> str:
+        raise AssertionError("an unchanged file is hashed again")
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf_cache, "content_key", unread)
+        assert gguf_cache.cache_dir(f) == first
+    st = f.stat()
+    f.write_bytes(b"other bytes")  # the same size; the times move on
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    second = gguf_cache.cache_dir(f)
+    assert second != first and second.name == gguf_cache.content_key(f)
+    keys = tmp_path / "cache" / "gguf" / "keys"
+    shutil.rmtree(keys)
+    keys.write_text("")  # a memo that cannot be written: the file is hashed each time
+    for _ in range(2):
+        assert gguf_cache.cache_dir(f) == second

@@ -36,7 +36,7 @@ class EngineParts:
     device: torch.device
     dtype: torch.dtype
     model: LlamaForCausalLM
-    tokenizer: Any  # a transformers tokenizer, or None for a model without one
+    tokenizer: Any  # a ChatTokenizer or a transformers tokenizer (same interface), or None
     max_model_len: int
     kv: KvCache
     runner: ModelRunner  # with tensor parallelism, rank 0's (a TensorParallelRunner)

@@ -14,35 +14,22 @@ by) become the matching ``rope_scaling``; other types are refused. (transformers
 ignores both for these architectures, so it runs a Llama 3.1 GGUF with unscaled RoPE.)
 
 Parsing, dequantizing and converting the tokenizer take seconds (~11 s for SmolLM2 on a 2-core
-machine), so what they produce is cached under ``$FERRYMAN_CACHE_DIR`` (default
-``~/.cache/ferryman``) ``/gguf/<sha256 of the file>``: the float32 tensors as safetensors, the
-config as JSON, the tokenizer as saved by transformers. A later load of the same bytes reads
-those (the file's hash, ~0.1 s, is the key, salted with ``CONVERSION_VERSION``: a changed file,
-or a conversion that changed, is converted again). A cache that
-cannot be written is skipped with a warning.
+machine), so what ``convert`` produces is cached by the file's hash (``gguf_cache``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
-import os
-import shutil
-import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from ferryman import gguf_cache
 from ferryman.models.config import ModelConfig
 from ferryman.models.llama import LlamaForCausalLM
 from ferryman.models.rope import yarn_attention_factor
 from ferryman.models.tensor_parallel import TensorParallel
-
-CONVERSION_VERSION = b"ferryman-gguf-2"  # bump when what ``convert`` produces changes
 
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _LAYER = {
@@ -133,53 +120,20 @@ def rope_scaling_from_gguf(meta: dict[str, Any], arch: str) -> dict[str, Any] | 
     return s
 
 
-def cache_dir(path: Path) -> Path:
-    """Where the conversion of the GGUF file ``path`` is cached: keyed by its bytes' sha256."""
-    h = hashlib.sha256(CONVERSION_VERSION)
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            h.update(block)
-    root = Path(os.environ.get("FERRYMAN_CACHE_DIR") or Path.home() / ".cache" / "ferryman")
-    return root / "gguf" / h.hexdigest()
-
-
 def load_gguf(
     path: str | Path, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None
 ) -> tuple[LlamaForCausalLM, Any]:
     """Returns the model (eval mode; ``tp``'s rank's slice) and its tokenizer (with the file's
-    chat template), from the conversion cache when it holds this file."""
-    from safetensors.torch import load_file
-    from transformers import AutoTokenizer
-
+    chat template), from the conversion cache (``gguf_cache``) when it holds this file."""
     path = Path(path)
-    cache = cache_dir(path)
-    if (cache / "config.json").is_file():
-        cfg = ModelConfig(**json.loads((cache / "config.json").read_text()))
-        tokenizer = AutoTokenizer.from_pretrained(str(cache / "tokenizer"))
-        return LlamaForCausalLM.from_tensors(
-            cfg, load_file(cache / "model.safetensors"), dtype, device, tp
-        ), tokenizer
+    cache = gguf_cache.cache_dir(path)
+    if gguf_cache.holds(cache):
+        return gguf_cache.load(cache, dtype, device, tp)
     cfg, tensors, tokenizer = convert(path)
-    _store(cache, cfg, tensors, tokenizer)
+    gguf_cache.store(cache, cfg, tensors, tokenizer)
+    if (cache / "tokenizer").is_dir():  # the same tokenizer object a later, cached load gives
+        tokenizer = gguf_cache.cached_tokenizer(cache)
     return LlamaForCausalLM.from_tensors(cfg, tensors, dtype, device, tp), tokenizer
-
-
-def _store(cache: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], tokenizer: Any) -> None:
-    """Writes the conversion into ``cache`` whole or not at all (a temp folder renamed last)."""
-    from safetensors.torch import save_file
-
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=".tmp-"))
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / "model.safetensors")
-        tokenizer.save_pretrained(str(tmp / "tokenizer"))
-        (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
-        try:
-            tmp.rename(cache)
-        except OSError:  # another process cached it first
-            shutil.rmtree(tmp, ignore_errors=True)
-    except OSError as e:
-        warnings.warn(f"ferryman: cannot cache the GGUF conversion in {cache}: {e}", stacklevel=2)
 
 
 def convert(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Any]:

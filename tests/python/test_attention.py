@@ -117,6 +117,23 @@ def test_run_grouped_swaps_move_exactly_the_planned_blocks() -> None:
     assert torch.equal(kv.layers()[1][10], before[2, 1])  # a layer view sees the same memory
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_device_pool_starts_zeroed_and_keeps_what_is_written(dtype: torch.dtype) -> None:
+    """The CPU pool is an anonymous memory map (zero pages until written): it reads zeros, and
+    a write stays after the map's Python object is gone from the constructor."""
+    import gc
+
+    from ferryman.worker.kv_cache import KvCache
+
+    kv = KvCache(3, 12, 0, 4, 2, 8, dtype, torch.device("cpu"))
+    assert kv.device_kv.shape == (13, 3, 2, 4, 2, 8) and kv.device_kv.dtype == dtype
+    assert not kv.device_kv.any()
+    gc.collect()
+    kv.layers()[2][5] = 1.5
+    assert float(kv.device_kv.float().sum()) == 1.5 * 2 * 4 * 2 * 8
+    assert torch.equal(kv.device_kv[5, 2], torch.full((2, 4, 2, 8), 1.5, dtype=dtype))
+
+
 def test_a_swap_out_overlaps_the_forward_only_when_the_step_writes_none_of_its_blocks() -> None:
     from ferryman.worker.kv_cache import swap_out_blocks_rewritten
 

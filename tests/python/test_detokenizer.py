@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tiny_models import build
+from tiny_models import build, sentencepiece_tokenizer
 
 from ferryman._core import InvalidRequestError, RequestParams, Scheduler, SchedulerConfig
 from ferryman.engine import Engine
@@ -32,27 +32,7 @@ def byte_level(model_dir: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def sentencepiece() -> Any:
-    """Llama-2's decoder pipeline: "▁" for spaces, <0xNN> byte tokens, a leading space stripped."""
-    from tokenizers import Tokenizer, decoders, models, normalizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
-    for piece in ["▁", "h", "e", "l", "o", "w", "r", "d", "▁the", "▁a", "ll", "é", "東"]:
-        vocab[piece] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        clean_up_tokenization_spaces=False,
-    )
-    return fast
+    return sentencepiece_tokenizer(clean_up_tokenization_spaces=False)
 
 
 def run(

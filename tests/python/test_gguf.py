@@ -5,6 +5,9 @@ greedy tokens as transformers' own GGUF loader on the same file."""
 from __future__ import annotations
 
 import importlib.metadata as md
+import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -144,7 +147,7 @@ def test_the_gguf_conversion_is_cached_by_the_files_hash(
     import gguf
 
     from ferryman.engine import Engine
-    from ferryman.gguf_loader import cache_dir
+    from ferryman.gguf_cache import cache_dir
 
     monkeypatch.setenv("FERRYMAN_CACHE_DIR", str(tmp_path))
     sp = SamplingParams(temperature=0.0, max_tokens=8)
@@ -162,3 +165,94 @@ def test_the_gguf_conversion_is_cached_by_the_files_hash(
     assert (got.token_ids, got.text) == (want.token_ids, want.text)
     assert again.tokenizer.chat_template == first.tokenizer.chat_template
     assert again.eos_token_ids == first.eos_token_ids
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_the_cache_stores_projections_stacked_and_loads_them_as_the_parameters(
+    tmp_path: Path, kind: str
+) -> None:
+    """What the conversion cache writes (q/k/v and gate/up stacked, Qwen2's biases too) loads
+    into the same model as the separate tensors, takes the stored tensors as the parameters
+    (no copy), and splits back into the separate tensors exactly (for tensor-parallel ranks)."""
+    from safetensors.torch import load_file
+    from tiny_models import build
+
+    from ferryman.gguf_cache import split_projections, stack_projections
+    from ferryman.models.config import ModelConfig
+    from ferryman.models.llama import LlamaForCausalLM
+
+    path = build(kind, tmp_path)
+    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    tensors = load_file(str(path / "model.safetensors"))
+    stacked = stack_projections(tensors)
+    assert "model.layers.1.self_attn.qkv_proj.weight" in stacked
+    assert "model.layers.1.mlp.gate_up_proj.weight" in stacked
+    assert "model.layers.1.mlp.up_proj.weight" not in stacked
+    assert ("model.layers.1.self_attn.qkv_proj.bias" in stacked) == (kind == "qwen2")
+    cpu = torch.device("cpu")
+    want = LlamaForCausalLM.from_tensors(cfg, tensors, torch.float32, cpu).state_dict()
+    model = LlamaForCausalLM.from_tensors(cfg, stacked, torch.float32, cpu)
+    got = model.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    qkv = stacked["model.layers.1.self_attn.qkv_proj.weight"]
+    assert model.layers[1].qkv_proj.weight.data_ptr() == qkv.data_ptr()  # taken, not copied
+    back = split_projections(stacked, cfg)
+    assert set(back) == set(tensors) and all(torch.equal(back[k], tensors[k]) for k in tensors)
+
+
+def test_tensor_parallel_ranks_slice_a_cached_gguf_as_they_slice_its_tensors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each of 2 ranks loading a cached GGUF (projections stored stacked) holds exactly the slice
+    it takes of the GGUF's own tensors."""
+    from test_models_config import write_llama_gguf
+    from tiny_models import build
+
+    from ferryman import gguf_cache, gguf_loader
+    from ferryman.model_loader import load_model
+    from ferryman.models.llama import LlamaForCausalLM
+    from ferryman.models.tensor_parallel import TensorParallel
+
+    monkeypatch.setenv("FERRYMAN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_loader, "_tokenizer", lambda _path: None)  # a GGUF without one
+    gguf_path = tmp_path / "m.gguf"
+    write_llama_gguf(build("llama", tmp_path), gguf_path)
+    cfg, tensors, _ = gguf_loader.convert(gguf_path)
+    cpu = torch.device("cpu")
+    load_model(gguf_path, torch.float32, cpu)  # converts and fills the cache
+    assert (gguf_cache.cache_dir(gguf_path) / "model.safetensors").is_file()
+    for rank in (0, 1):
+        tp = TensorParallel(rank, 2)
+        got, tok = load_model(gguf_path, torch.float32, cpu, tp)
+        want = LlamaForCausalLM.from_tensors(cfg, tensors, torch.float32, cpu, tp).state_dict()
+        assert tok is None and set(got.state_dict()) == set(want)
+        assert all(torch.equal(got.state_dict()[k], want[k]) for k in want)
+
+
+def test_the_cache_key_is_the_files_hash_remembered_until_the_file_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ferryman import gguf_cache
+
+    monkeypatch.setenv("FERRYMAN_CACHE_DIR", str(tmp_path / "cache"))
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"first bytes")
+    first = gguf_cache.cache_dir(f)
+    assert first == tmp_path / "cache" / "gguf" / gguf_cache.content_key(f)
+
+    def unread(_: Path) -> str:
+        raise AssertionError("an unchanged file is hashed again")
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf_cache, "content_key", unread)
+        assert gguf_cache.cache_dir(f) == first
+    st = f.stat()
+    f.write_bytes(b"other bytes")  # the same size; the times move on
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    second = gguf_cache.cache_dir(f)
+    assert second != first and second.name == gguf_cache.content_key(f)
+    keys = tmp_path / "cache" / "gguf" / "keys"
+    shutil.rmtree(keys)
+    keys.write_text("")  # a memo that cannot be written: the file is hashed each time
+    for _ in range(2):
+        assert gguf_cache.cache_dir(f) == second

@@ -197,11 +197,11 @@ def test_gguf_rope_scaling_matches_transformers_on_the_source_weights(
     """A Llama 3.1-style GGUF (``rope_freqs``) and GGUFs with ``rope.scaling.*`` keys load with
     the source model's RoPE: logits and an engine's greedy tokens as transformers' on the HF
     checkpoint the GGUF was written from."""
-    from ferryman import gguf_loader
+    from ferryman import gguf_cache, gguf_loader
 
     monkeypatch.setenv("FERRYMAN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(gguf_loader, "_tokenizer", lambda _path: None)
-    monkeypatch.setattr(gguf_loader, "_store", lambda *_: None)
+    monkeypatch.setattr(gguf_cache, "store", lambda *_: None)
     path = build("llama", tmp_path, rope_scaling=dict(scaling))  # type: ignore[arg-type]
     keys = None
     if scaling["rope_type"] == "linear":

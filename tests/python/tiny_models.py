@@ -1,10 +1,12 @@
 """Tiny random Llama-family checkpoints written with transformers into a temp folder (no
 downloads). Weights get a wide spread so that greedy choices are not near-ties. Also the dense
-causal attention the paged paths are checked against."""
+causal attention the paged paths are checked against, and the tests' tokenizers: byte-level BPE
+(GPT-2 / Qwen style) and SentencePiece-style with byte fallback (Llama-2 style)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -84,3 +86,23 @@ def save_byte_tokenizer(out: Path) -> None:
     fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
+
+
+def sentencepiece_tokenizer(**kwargs: Any) -> Any:
+    """Llama-2's decoder pipeline: "▁" for spaces, <0xNN> byte tokens, a leading space stripped
+    (a transformers tokenizer; ``kwargs`` go to it)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for piece in ["▁", "h", "e", "l", "o", "w", "r", "d", "▁the", "▁a", "ll", "é", "東"]:
+        vocab[piece] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", **kwargs
+    )

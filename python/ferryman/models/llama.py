@@ -98,7 +98,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 # Projections that read the same input run as one GEMM over their stacked weights: three GEMVs
 # fewer per layer on a GPU (not yet measured there). On CPU it is neutral end to end (5-7% less
 # projection time in a microbenchmark, within noise in a whole decode step; README). Checkpoints
-# keep the separate names; the loader stacks them.
+# keep the separate names and the loader stacks them; one that holds a stacked tensor under the
+# model's own name (the GGUF conversion cache) gives it as is.
 FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
@@ -180,12 +181,16 @@ class LlamaForCausalLM(nn.Module):
     ) -> LlamaForCausalLM:
         """The model (or ``tp``'s rank's slice of it) in eval mode on ``device``, built without
         initialising weights and loaded from Hugging Face-named ``tensors``; the RoPE
-        frequencies stay float32. ``sliced``: the tensors are that rank's slices already."""
+        frequencies stay float32. ``sliced``: the tensors are that rank's slices already.
+
+        A given tensor already contiguous, in ``dtype`` and on ``device`` becomes the parameter
+        itself, not a copy (a memory-mapped checkpoint stays mapped: its file must not change
+        while the model lives); projections stacked here are new tensors."""
         with torch.device("meta"):
             model = cls(cfg, tp)
-        model = model.to_empty(device=device).to(dtype)
         model.load_hf_state_dict(tensors, sliced)
-        model.inv_freq = rope_inv_freq(cfg).to(device)  # to_empty leaves buffers unset
+        model = model.to(device=device, dtype=dtype)  # copies only what is elsewhere or in another dtype
+        model.inv_freq = rope_inv_freq(cfg).to(device)  # not a checkpoint tensor: still on meta
         return model.eval()
 
     def forward(
@@ -230,18 +235,19 @@ class LlamaForCausalLM(nn.Module):
         return True
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor], sliced: bool = False) -> None:
-        """Loads weights named as in a Hugging Face checkpoint; names every missing tensor."""
+        """Takes weights named as in a Hugging Face checkpoint as the parameters (assigned, not
+        copied: a tensor shared with the caller stays shared); names every missing tensor."""
         own = self.state_dict()
         given = {our_name(name): t for name, t in tensors.items()}
         # extra tensors (a tied model's lm_head, rotary buffers) are ignored
         if self.tp.world > 1 and not sliced:
             given = {n: shard_tensor(n, t, self.cfg, self.shard) for n, t in given.items()}
-        sources = {key: _checkpoint_names(key) for key in own}
+        sources = {key: [key] if key in given else _checkpoint_names(key) for key in own}
         missing = sorted(n for names in sources.values() for n in names if n not in given)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
         mapped = {
-            key: given[names[0]] if len(names) == 1 else torch.cat([given[n] for n in names])
+            key: (given[names[0]] if len(names) == 1 else torch.cat([given[n] for n in names])).contiguous()
             for key, names in sources.items()
         }
         for key, t in mapped.items():
@@ -249,4 +255,4 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(
                     f"tensor {key}: checkpoint shape {tuple(t.shape)} != {tuple(own[key].shape)}"
                 )
-        self.load_state_dict(mapped, strict=True)
+        self.load_state_dict(mapped, strict=True, assign=True)

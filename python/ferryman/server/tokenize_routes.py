@@ -60,7 +60,8 @@ def add_tokenizer_routes(
     async def tokenizer_info() -> dict[str, Any]:
         """vLLM's: what a client needs to tokenize as the server does (lm-eval probes it)."""
         tok = need_tokenizer(None)
-        info: dict[str, Any] = {"tokenizer_class": type(tok).__name__, "model_max_length": max_model_len}
+        name = getattr(tok, "tokenizer_class", None) or type(tok).__name__  # ChatTokenizer: its file's
+        info: dict[str, Any] = {"tokenizer_class": str(name), "model_max_length": max_model_len}
         for k in ("bos_token", "eos_token", "pad_token", "unk_token", "chat_template"):
             v = getattr(tok, k, None)
             if v is not None:

@@ -7,9 +7,7 @@ The model runs on a flat batch of tokens ``[T]`` (every request's scheduled toke
 and leaves attention over the paged KV cache to an ``AttentionBackend``; it never sees requests.
 
 On CPU in float32, ``pack_cpu_weights()`` moves every projection and the LM head to oneDNN's
-packed weight layout (the one PyTorch's own CPU inference path uses after freezing): for the
-small row counts of decode steps MKL's plain sgemm streams the weights at a quarter of the
-memory bandwidth, the packed kernels at about twice that (``benchmarks/cpu_linear.py``).
+packed weight layout; ``models/cpu_linear.py`` runs them there, at a bounded set of row counts.
 """
 
 from __future__ import annotations
@@ -19,24 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferryman.attention.base import AttentionBackend
+from ferryman.models import cpu_linear
 from ferryman.models.config import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCHITECTURES
 from ferryman.models.config import ModelConfig as ModelConfig
 from ferryman.models.rope import rope_parameters
 from ferryman.models.tensor_parallel import Shard, TensorParallel, embed, our_name, shard_of, shard_tensor
-
-PACK_ROWS_HINT = 16  # oneDNN picks the packed layout for this many rows; measured best for 1..2048
-
-
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)  # type: ignore[no-any-return]
-
-
-def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # type: ignore[no-any-return]
-
-
-def can_pack_cpu_weights(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
 
 
 class Linear(nn.Linear):
@@ -50,13 +35,13 @@ class Linear(nn.Linear):
         built, torch's first init op costs ~1 s of lazy imports at start-up; measured.)"""
 
     def pack(self) -> None:
-        self.packed = _pack(self.weight)
+        self.packed = cpu_linear.pack(self.weight)
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        return _packed_linear(x, self.packed, self.bias)
+        return cpu_linear.packed_linear(x, self.packed, self.bias)
 
 
 class Embedding(nn.Embedding):
@@ -209,7 +194,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             out: torch.Tensor = self.lm_head(hidden)
         elif self._tied_head_packed is not None:
-            out = _packed_linear(hidden, self._tied_head_packed, None)
+            out = cpu_linear.packed_linear(hidden, self._tied_head_packed, None)
         else:
             out = F.linear(hidden, self.embed_tokens.weight)
         if self.tp.world > 1:  # every rank's vocabulary slice, without the padding rows
@@ -220,13 +205,13 @@ class LlamaForCausalLM(nn.Module):
         """Packs every projection and the LM head for oneDNN (see the module docstring); False,
         and nothing changed, where that does not apply (not CPU float32, or no oneDNN)."""
         w = self.embed_tokens.weight
-        if not can_pack_cpu_weights(w.device, w.dtype):
+        if not cpu_linear.can_pack(w.device, w.dtype):
             return False
         for m in self.modules():
             if isinstance(m, Linear) and m.packed is None:
                 m.pack()
         if self.lm_head is None:
-            self._tied_head_packed = _pack(w)  # the embedding keeps its plain weight for lookups
+            self._tied_head_packed = cpu_linear.pack(w)  # the embedding keeps its plain weight for lookups
         return True
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor], sliced: bool = False) -> None:

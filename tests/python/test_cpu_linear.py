@@ -1,7 +1,8 @@
 """The CPU's packed projections (``ferryman.models.cpu_linear``): the padded row counts are few,
-close above the real one and stable; a padded projection gives the plain one's rows; and oneDNN
-builds one primitive per padded row count, not per row count (read off its verbose log of
-primitive creation, in a subprocess)."""
+close above the real one and stable; a padded projection gives the plain one's rows; oneDNN
+builds one primitive per padded row count, not per row count; and an Engine serving prompts of
+every length from 1 to 70 only ever has projections built at padded row counts (both read off
+oneDNN's verbose log of primitive creation, in a subprocess)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import build
 
 from ferryman.models.cpu_linear import can_pack, pack, packed_linear, padded_rows
 
@@ -46,6 +49,20 @@ def test_packed_linear_gives_the_plain_rows(bias: bool) -> None:
 
 
 @needs_onednn
+def created_rows(script: str) -> list[int]:
+    """The row counts of the inner products oneDNN built (not found in its cache) while
+    ``script`` ran with primitive creation logged."""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [
+        int(mb)
+        for line in r.stdout.splitlines()
+        if ",create:cache_miss," in line and ",inner_product," in line
+        for mb in re.findall(r",mb(\d+)ic", line)
+    ]
+
+
+@needs_onednn
 def test_onednn_builds_one_primitive_per_padded_row_count() -> None:
     rows = 300
     script = textwrap.dedent(
@@ -58,14 +75,28 @@ def test_onednn_builds_one_primitive_per_padded_row_count() -> None:
                 packed_linear(torch.randn(m, 24), w, None)
         """
     )
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, r.stderr[-3000:]
-    created = [
-        int(mb)
-        for line in r.stdout.splitlines()
-        if ",create:cache_miss," in line and ",inner_product," in line
-        for mb in re.findall(r",mb(\d+)ic24oc40,", line)
-    ]
     want = sorted({padded_rows(m) for m in range(1, rows + 1)})
-    assert sorted(created) == want  # each padded row count built once, the second pass reuses them
+    assert sorted(created_rows(script)) == want  # each built once, the second pass reuses them
     assert len(want) == 50
+
+
+@needs_onednn
+def test_an_engine_builds_projections_at_padded_row_counts_only(tmp_path: Path) -> None:
+    model = build("qwen2", tmp_path)  # tied LM head and q/k/v bias: every packed path
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from ferryman.engine import Engine
+        from ferryman.sampling_params import SamplingParams
+        engine = Engine({str(model)!r}, num_device_blocks=256, calibrate=False)
+        prompts = [[(7 * i + j) % 90 + 1 for j in range(i)] for i in range(1, 71)]
+        params = [SamplingParams(temperature=0.0, max_tokens=1 + i % 10, ignore_eos=True) for i in range(70)]
+        with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON_CREATION):
+            for i in range(0, 70, 10):  # ten prompts at a time, decoding 1 to 10 tokens: 10 to 1 rows
+                engine.generate(prompts[i : i + 10], params[i : i + 10])
+        """
+    )
+    created = created_rows(script)
+    assert created, "no oneDNN inner product was built: the projections did not run packed"
+    assert all(padded_rows(m) == m for m in created), sorted(set(created))
+    assert len(set(created)) >= 15  # the steps did have many token counts

@@ -10,10 +10,11 @@ keeps it, both in its own primitive cache and in ideep's, about 0.65 MiB each
 (``benchmarks/cpu_linear.py --cache``), up to 1,024 entries per cache before it evicts and
 rebuilds. A step's token count (and its number of sampled rows) can be anything up to the token
 budget, so a server that ran on them as they come would hold ever more primitives. Instead
-``packed_linear`` pads ``x`` with zero rows up to ``padded_rows(m)``: ``m`` itself below 16,
-then the next multiple of ``2 ** (floor(log2(m)) - 3)`` (eight sizes per octave, at most 12.5%
-more rows). The kernels then see at most ``15 + 8 * ceil(log2(m_max / 8))`` row counts (71 up to
-2,048) per weight shape, and the caches stop growing once those have run.
+``packed_linear`` runs at ``padded_rows(m)`` rows: ``m`` itself below 16, then the next multiple
+of ``2 ** (floor(log2(m)) - 3)`` (eight sizes per doubling, at most 12.5% more rows). That is 72
+row counts up to 2,048 (88 up to 8,192) per weight shape, and the caches stop growing once those
+have run. ``x`` with any other row count is copied with zero rows added; ``LlamaForCausalLM``
+pads its flat batch once per forward instead, so its layers' projections need no copy.
 
 Invariants: rows are independent in a projection, so the zero rows change nothing in the real
 rows' values beyond what any other row count would (the kernel oneDNN picks for a shape may sum

@@ -8,6 +8,9 @@ and leaves attention over the paged KV cache to an ``AttentionBackend``; it neve
 
 On CPU in float32, ``pack_cpu_weights()`` moves every projection and the LM head to oneDNN's
 packed weight layout; ``models/cpu_linear.py`` runs them there, at a bounded set of row counts.
+A packed model pads the flat batch once, with zero tokens at position 0, to
+``padded_rows(T)`` rows: every op but attention runs on them, attention sees the first T rows
+only (it writes no K/V for the padding), and the hidden states returned are the first T rows.
 """
 
 from __future__ import annotations
@@ -113,18 +116,21 @@ class DecoderLayer(nn.Module):
         self.down_proj = Linear(self.inter, h, bias=False)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend, t: int
     ) -> torch.Tensor:
-        t = x.shape[0]
+        """``x`` ``[n, hidden]``: the step's ``t`` tokens, then ``n - t`` padding rows."""
+        n = x.shape[0]
         h = self.input_layernorm(x)
         q, k, v = self.qkv_proj(h).split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
-        q, k, v = q.view(t, self.nq, self.d), k.view(t, self.nkv, self.d), v.view(t, self.nkv, self.d)
+        q, k, v = q.view(n, self.nq, self.d), k.view(n, self.nkv, self.d), v.view(n, self.nkv, self.d)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        o = attn.forward(self.idx, q, k, v)
-        x = x + self.tp.all_reduce(self.o_proj(o.reshape(t, self.nq * self.d)))
+        o = attn.forward(self.idx, q[:t], k[:t], v[:t]).reshape(t, self.nq * self.d)
+        if n > t:
+            o = F.pad(o, (0, 0, 0, n - t))
+        x = x + self.tp.all_reduce(self.o_proj(o))
         h = self.post_attention_layernorm(x)
         gate, up = self.gate_up_proj(h).split(self.inter, dim=-1)
         out: torch.Tensor = x + self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
@@ -147,6 +153,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, s.vocab_size, bias=False)
         self._tied_head_packed: torch.Tensor | None = None
+        self.pad_rows = False  # packed: the forward runs at cpu_linear.padded_rows(T) rows
         # on the CPU even inside the meta-device context models are built in: on meta, torch runs
         # these ops through Python references whose first use imports torch._dynamo (~2 s)
         with torch.device("cpu"):
@@ -177,6 +184,10 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of a flat token batch."""
+        t = input_ids.shape[0]
+        pad = cpu_linear.padded_rows(t) - t if self.pad_rows else 0
+        if pad:
+            input_ids, positions = F.pad(input_ids, (0, pad)), F.pad(positions, (0, pad))
         x = embed(input_ids, self.embed_tokens.weight, self.shard, self.tp)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -185,8 +196,8 @@ class LlamaForCausalLM(nn.Module):
             cos, sin = cos * self.rope_scale, sin * self.rope_scale
         cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        out: torch.Tensor = self.norm(x)
+            x = layer(x, cos, sin, attn, t)
+        out: torch.Tensor = self.norm(x[:t])
         return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -212,6 +223,7 @@ class LlamaForCausalLM(nn.Module):
                 m.pack()
         if self.lm_head is None:
             self._tied_head_packed = cpu_linear.pack(w)  # the embedding keeps its plain weight for lookups
+        self.pad_rows = True
         return True
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor], sliced: bool = False) -> None:

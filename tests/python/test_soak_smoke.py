@@ -1,8 +1,9 @@
 """``benchmarks/soak.py --smoke`` end to end (a real server, 120 requests, a tenth of them cancelled
 mid-stream, a pool tight enough to preempt): no errors, both KV pools all free afterwards, some
-preemption. RSS is not judged here: over so few requests it still grows with the shape-keyed
-caches of the CPU kernels (the soak's full 10,000-request run is where the 5% check means
-something), so the tolerance is set out of the way."""
+preemption. RSS is not judged here: so few requests still meet padded row counts the CPU
+projections have not run at yet, each of which builds its oneDNN primitives once
+(``models/cpu_linear.py``); the soak's full 10,000-request run is where the 5% check means
+something, so the tolerance is set out of the way."""
 
 from __future__ import annotations
 

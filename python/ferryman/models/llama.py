@@ -7,9 +7,10 @@ The model runs on a flat batch of tokens ``[T]`` (every request's scheduled toke
 and leaves attention over the paged KV cache to an ``AttentionBackend``; it never sees requests.
 
 On CPU in float32, ``pack_cpu_weights()`` moves every projection and the LM head to oneDNN's
-packed weight layout (the one PyTorch's own CPU inference path uses after freezing): for the
-small row counts of decode steps MKL's plain sgemm streams the weights at a quarter of the
-memory bandwidth, the packed kernels at about twice that (``benchmarks/cpu_linear.py``).
+packed weight layout; ``models/cpu_linear.py`` runs them there, at a bounded set of row counts.
+A packed model pads the flat batch once, with zero tokens at position 0, to
+``padded_rows(T)`` rows: every op but attention runs on them, attention sees the first T rows
+only (it writes no K/V for the padding), and the hidden states returned are the first T rows.
 """
 
 from __future__ import annotations
@@ -19,24 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferryman.attention.base import AttentionBackend
+from ferryman.models import cpu_linear
 from ferryman.models.config import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCHITECTURES
 from ferryman.models.config import ModelConfig as ModelConfig
 from ferryman.models.rope import rope_parameters
 from ferryman.models.tensor_parallel import Shard, TensorParallel, embed, our_name, shard_of, shard_tensor
-
-PACK_ROWS_HINT = 16  # oneDNN picks the packed layout for this many rows; measured best for 1..2048
-
-
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)  # type: ignore[no-any-return]
-
-
-def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # type: ignore[no-any-return]
-
-
-def can_pack_cpu_weights(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
 
 
 class Linear(nn.Linear):
@@ -50,13 +38,13 @@ class Linear(nn.Linear):
         built, torch's first init op costs ~1 s of lazy imports at start-up; measured.)"""
 
     def pack(self) -> None:
-        self.packed = _pack(self.weight)
+        self.packed = cpu_linear.pack(self.weight)
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        return _packed_linear(x, self.packed, self.bias)
+        return cpu_linear.packed_linear(x, self.packed, self.bias)
 
 
 class Embedding(nn.Embedding):
@@ -129,18 +117,21 @@ class DecoderLayer(nn.Module):
         self.down_proj = Linear(self.inter, h, bias=False)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend, t: int
     ) -> torch.Tensor:
-        t = x.shape[0]
+        """``x`` ``[n, hidden]``: the step's ``t`` tokens, then ``n - t`` padding rows."""
+        n = x.shape[0]
         h = self.input_layernorm(x)
         q, k, v = self.qkv_proj(h).split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
-        q, k, v = q.view(t, self.nq, self.d), k.view(t, self.nkv, self.d), v.view(t, self.nkv, self.d)
+        q, k, v = q.view(n, self.nq, self.d), k.view(n, self.nkv, self.d), v.view(n, self.nkv, self.d)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        o = attn.forward(self.idx, q, k, v)
-        x = x + self.tp.all_reduce(self.o_proj(o.reshape(t, self.nq * self.d)))
+        o = attn.forward(self.idx, q[:t], k[:t], v[:t]).reshape(t, self.nq * self.d)
+        if n > t:
+            o = F.pad(o, (0, 0, 0, n - t))
+        x = x + self.tp.all_reduce(self.o_proj(o))
         h = self.post_attention_layernorm(x)
         gate, up = self.gate_up_proj(h).split(self.inter, dim=-1)
         out: torch.Tensor = x + self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
@@ -163,6 +154,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, s.vocab_size, bias=False)
         self._tied_head_packed: torch.Tensor | None = None
+        self.pad_rows = False  # packed: the forward runs at cpu_linear.padded_rows(T) rows
         # on the CPU even inside the meta-device context models are built in: on meta, torch runs
         # these ops through Python references whose first use imports torch._dynamo (~2 s)
         with torch.device("cpu"):
@@ -197,6 +189,10 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of a flat token batch."""
+        t = input_ids.shape[0]
+        pad = cpu_linear.padded_rows(t) - t if self.pad_rows else 0
+        if pad:
+            input_ids, positions = F.pad(input_ids, (0, pad)), F.pad(positions, (0, pad))
         x = embed(input_ids, self.embed_tokens.weight, self.shard, self.tp)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -205,8 +201,8 @@ class LlamaForCausalLM(nn.Module):
             cos, sin = cos * self.rope_scale, sin * self.rope_scale
         cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        out: torch.Tensor = self.norm(x)
+            x = layer(x, cos, sin, attn, t)
+        out: torch.Tensor = self.norm(x[:t])
         return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -214,7 +210,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             out: torch.Tensor = self.lm_head(hidden)
         elif self._tied_head_packed is not None:
-            out = _packed_linear(hidden, self._tied_head_packed, None)
+            out = cpu_linear.packed_linear(hidden, self._tied_head_packed, None)
         else:
             out = F.linear(hidden, self.embed_tokens.weight)
         if self.tp.world > 1:  # every rank's vocabulary slice, without the padding rows
@@ -225,13 +221,14 @@ class LlamaForCausalLM(nn.Module):
         """Packs every projection and the LM head for oneDNN (see the module docstring); False,
         and nothing changed, where that does not apply (not CPU float32, or no oneDNN)."""
         w = self.embed_tokens.weight
-        if not can_pack_cpu_weights(w.device, w.dtype):
+        if not cpu_linear.can_pack(w.device, w.dtype):
             return False
         for m in self.modules():
             if isinstance(m, Linear) and m.packed is None:
                 m.pack()
         if self.lm_head is None:
-            self._tied_head_packed = _pack(w)  # the embedding keeps its plain weight for lookups
+            self._tied_head_packed = cpu_linear.pack(w)  # the embedding keeps its plain weight for lookups
+        self.pad_rows = True
         return True
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor], sliced: bool = False) -> None:

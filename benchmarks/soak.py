@@ -27,12 +27,10 @@ the first part runs, the engine is waited on until idle and the server's residen
 The JSON line also holds throughput, preemptions by mode, the server's abort count and RSS read
 after every further 1,000 requests (while busy, for the trend only).
 
-Measured on 2 CPU cores: 10,000 requests in about 6.5 minutes (27 requests/s), no errors, all
-blocks back. RSS, though, grew 18% after the 1,000 mark (1,212 to 1,432 MiB), less with each
-thousand (+86 MiB, then +46, +26 ... +4). The growth is native memory in use (mallinfo), not
-Python objects or free heap, and it follows the shapes the steps have never seen before: the
-offline engine run on the same lengths over and over, with new tokens each time, does not grow at
-all. Part of it is oneDNN's primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY=0`` halves it).
+Measured on 2 CPU cores (2026-12-01): 10,000 requests in about 6.3 minutes (26 requests/s), no
+errors, all blocks back, RSS 908 MiB after the first 1,000 and 915 MiB after all (+0.7%). Before
+the CPU projections ran at padded row counts (``models/cpu_linear.py``) the same run grew 18.5%
+(1,210 to 1,434 MiB): oneDNN built and kept a primitive for every new step shape.
 """
 
 from __future__ import annotations

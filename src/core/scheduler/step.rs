@@ -35,7 +35,7 @@ use super::{Scheduler, StepPlan};
 use crate::arena::ReqIdx;
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache_manager::blocks_for;
-use crate::outputs::{SchedulerOutput, StepOutputs, StepStats};
+use crate::outputs::{zeroed, SchedulerOutput, StepOutputs, StepStats};
 use crate::request::{FinishReason, Request, RequestStatus};
 use crate::text::Push;
 
@@ -72,15 +72,17 @@ impl Scheduler {
         let shift = bs.trailing_zeros(); // a position's block
         let b = plan.scheduled.len();
         let t = self.cfg.max_num_batched_tokens - plan.budget;
+        // the per-row arrays are sized once and written by index: a push per row and array
+        // (a length load and store each) was a fifth of the step's instructions
         let mut o = SchedulerOutput {
-            req_ids: Vec::with_capacity(b),
-            rows: Vec::with_capacity(b),
-            seq_indices: Vec::with_capacity(b),
+            req_ids: zeroed(b),
+            rows: zeroed(b),
+            seq_indices: zeroed(b),
             input_ids: Vec::with_capacity(t),
-            qo_indptr: Vec::with_capacity(b + 1),
-            seq_lens: Vec::with_capacity(b),
-            kv_indptr: Vec::with_capacity(b + 1),
-            kv_last_page_len: Vec::with_capacity(b),
+            qo_indptr: zeroed(b + 1),
+            seq_lens: zeroed(b),
+            kv_indptr: zeroed(b + 1),
+            kv_last_page_len: zeroed(b),
             logits_indices: Vec::with_capacity(b),
             sample_req_ids: Vec::with_capacity(b),
             sample_seq_indices: Vec::with_capacity(b),
@@ -88,11 +90,9 @@ impl Scheduler {
         };
         let mut samples = Vec::with_capacity(b);
         let mut computed = Vec::with_capacity(b);
-        o.qo_indptr.push(0);
-        o.kv_indptr.push(0);
         let mut num_pages = 0;
         let mut num_prefill_tokens = 0;
-        for s in &plan.scheduled {
+        for (i, s) in plan.scheduled.iter().enumerate() {
             let r = self.reqs.get_mut(s.req_idx);
             let table = self.kv.table(s.req_idx);
             let (start, end) = (r.num_computed_tokens, r.num_computed_tokens + s.num_new);
@@ -110,15 +110,17 @@ impl Scheduler {
             };
             // a copy-on-write replaced the entry of the block this step writes first
             let sent = if s.cow.is_some() { self.batch.sent(row).min(start >> shift) } else { self.batch.sent(row) };
-            for (col, &block) in table.iter().enumerate().take(num_blocks).skip(sent) {
-                o.table_rows.push(row as i32);
-                o.table_cols.push(col as i32);
-                o.table_blocks.push(block);
+            if sent < num_blocks {
+                for (col, &block) in table.iter().enumerate().take(num_blocks).skip(sent) {
+                    o.table_rows.push(row as i32);
+                    o.table_cols.push(col as i32);
+                    o.table_blocks.push(block);
+                }
+                self.batch.set_sent(row, num_blocks);
             }
-            self.batch.set_sent(row, sent.max(num_blocks));
-            o.rows.push(row as i32);
-            o.req_ids.push(r.req_id as i64);
-            o.seq_indices.push(r.seq_index as i32);
+            o.rows[i] = row as i32;
+            o.req_ids[i] = r.req_id as i64;
+            o.seq_indices[i] = r.seq_index as i32;
             if s.num_new == 1 {
                 match r.token_ids.get(start) {
                     Some(&t) => o.input_ids.push(t),
@@ -132,11 +134,11 @@ impl Scheduler {
             } else {
                 o.input_ids.extend_from_slice(&r.token_ids[start..end]);
             }
-            o.qo_indptr.push(o.input_ids.len() as i32);
-            o.seq_lens.push(end as i32);
+            o.qo_indptr[i + 1] = o.input_ids.len() as i32;
+            o.seq_lens[i] = end as i32;
             num_pages += num_blocks;
-            o.kv_indptr.push(num_pages as i32);
-            o.kv_last_page_len.push((end - (num_blocks - 1) * bs) as i32);
+            o.kv_indptr[i + 1] = num_pages as i32;
+            o.kv_last_page_len[i] = (end - (num_blocks - 1) * bs) as i32;
             if let Some((src, dst)) = s.cow {
                 o.blocks_to_copy.push([src as i32, dst as i32]);
             }
@@ -227,7 +229,7 @@ impl Scheduler {
             }
         }
         let n = pending.samples.len();
-        let mut out = StepOutputs::with_capacity(n);
+        let mut out = StepOutputs::with_rows(n);
         let mut i = 0;
         while i < n {
             let idx = pending.samples[i].req_idx;
@@ -235,18 +237,18 @@ impl Scheduler {
                 // not live, or preempted and recomputing its samples: drop (every fork's)
                 while i < n && pending.samples[i].req_idx == idx {
                     let Sample { req_id, seq_index, .. } = pending.samples[i];
-                    out.push_row(req_id, seq_index, sampled_token_ids[i], None, 0);
+                    out.set_row(i, req_id, seq_index, sampled_token_ids[i], None, 0);
                     i += 1;
                 }
                 continue;
             };
             r.num_inflight -= 1;
             if r.num_pending_forks == 1 {
-                self.append(idx, sampled_token_ids[i] as u32, &mut out);
+                self.append(idx, i, sampled_token_ids[i] as u32, &mut out);
                 i += 1;
             } else {
                 for target in self.fork(idx) {
-                    self.append(target, sampled_token_ids[i] as u32, &mut out);
+                    self.append(target, i, sampled_token_ids[i] as u32, &mut out);
                     i += 1;
                 }
             }
@@ -272,9 +274,9 @@ impl Scheduler {
         }
     }
 
-    /// Appends `token` to request `idx` as the next row of `out`, with its text; finishes the
+    /// Appends `token` to request `idx` as row `i` of `out`, with its text; finishes the
     /// request when a stop condition holds, and then adds its whole output to `out`.
-    fn append(&mut self, idx: ReqIdx, token: u32, out: &mut StepOutputs) {
+    fn append(&mut self, idx: ReqIdx, i: usize, token: u32, out: &mut StepOutputs) {
         let r = self.reqs.get_mut(idx);
         let mut finish = r.append_token(token, self.cfg.max_model_len);
         let stop_token = finish == Some(FinishReason::Stop);
@@ -303,9 +305,9 @@ impl Scheduler {
             text.take_delta(&mut out.text);
             r.released_text.push_str(std::str::from_utf8(&out.text[at..]).expect("deltas are whole characters"));
         }
-        out.push_row(r.req_id, r.seq_index, token as i32, finish, r.num_output_tokens());
+        out.set_row(i, r.req_id, r.seq_index, token as i32, finish, r.num_output_tokens());
         if let Some(reason) = finish {
-            out.finished_rows.push(out.req_ids.len() as u32 - 1);
+            out.finished_rows.push(i as u32);
             out.output_token_ids.extend_from_slice(&r.token_ids[r.num_prompt_tokens..]);
             out.output_token_offsets.push(out.output_token_ids.len() as u32);
             out.output_text.extend_from_slice(r.released_text.as_bytes());

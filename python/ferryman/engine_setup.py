@@ -110,7 +110,7 @@ def build_parts(args: EngineArgs) -> EngineParts:
         kv = runner.kv
     calibration: dict[str, float] = {}
     started = time.perf_counter()
-    if args.calibrate and n == 1:  # calibration's forwards run on one rank: not with tensor parallelism
+    if args.calibrate:  # with tensor parallelism the prefill runs on every rank (through the runner)
         link = host_link_bytes_per_s(kv, bpb)
         if link is not None:
             calibration["host_link_bytes_per_s"] = link
@@ -122,7 +122,7 @@ def build_parts(args: EngineArgs) -> EngineParts:
             num_host_blocks=num_host_blocks,
             max_model_len=max_model_len,
             max_num_batched_tokens=budget,
-            async_scheduling=overlap(args, device) and n == 1,
+            async_scheduling=overlap(args, device),
             bytes_per_block=float(bpb),
             **calibration,
         )

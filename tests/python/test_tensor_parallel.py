@@ -91,15 +91,19 @@ PROMPTS = [[5, 9, 5, 9, 5, 1, 2], [17, 3, 3, 3, 8, 1], [40, 41], [7, 7, 7, 7, 7,
 
 
 def run(path: Path, world: int, **kw: Any) -> tuple[list[list[int]], dict[str, Any]]:
-    """Greedy and seeded-sampled tokens of every prompt, and the engine's stats."""
+    """Greedy and seeded-sampled tokens of every prompt, and the engine's stats (with the
+    runner's count of in-flight inputs filled into plans, tensor parallelism only, and what
+    start-up calibrated)."""
     sp = [
         SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
         SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=24, ignore_eos=True, n=2),
     ]
-    eng = Engine(str(path), calibrate=False, tensor_parallel_size=world, block_size=4, **kw)
+    eng = Engine(str(path), **{"calibrate": False, **kw}, tensor_parallel_size=world, block_size=4)
     try:
         outs = eng.generate(PROMPTS * 2, [sp[0]] * len(PROMPTS) + [sp[1]] * len(PROMPTS))
-        return [o.token_ids for r in outs for o in r.outputs], eng.stats()
+        filled = getattr(eng.runner, "num_inputs_filled", None)
+        st = {**eng.stats(), "num_inputs_filled": filled, "calibrated": sorted(eng.calibration)}
+        return [o.token_ids for r in outs for o in r.outputs], st
     finally:
         if world > 1:
             eng.runner.shutdown()
@@ -131,6 +135,21 @@ def test_the_engine_over_ranks_gives_one_ranks_tokens(
     got, st = run(path, world, **tight)
     assert got == want
     assert st["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_async_scheduling_and_calibration_over_ranks(tmp_path: Path, mode: str) -> None:
+    """With async scheduling a decode input whose token is in flight reaches the workers filled
+    in by rank 0 (the only rank holding the sampled ids); calibration's prefill runs on every
+    rank. The tokens are one rank's without either, under preemption."""
+    path = build("llama", tmp_path / "m")
+    tight = {"num_device_blocks": 14, "num_host_blocks": 64, "max_num_batched_tokens": 16}
+    want, _ = run(path, 1)
+    got, st = run(path, 2, async_scheduling=True, calibrate=True, preemption_mode=mode, **tight)
+    assert got == want
+    assert st["num_preemptions"] > 0
+    assert st["num_inputs_filled"] > 0, "no step ran with a token in flight"
+    assert st["calibrated"] == ["host_link_bytes_per_s", "prefill_tokens_per_s"]
 
 
 def test_a_dead_rank_kills_the_engine_not_hangs_it(tmp_path: Path) -> None:

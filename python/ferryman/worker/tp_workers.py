@@ -20,9 +20,11 @@ treats as fatal (it reports itself dead; the server fails every open request) ra
 to retry. So is any error of a step here: a rank that raised mid-forward leaves the others inside
 a collective, out of step for good.
 
-Not on this path yet: async scheduling (a decode input in flight is filled from rank 0's sampled
-ids, which the workers do not hold) and start-up calibration (its forwards run on rank 0 alone);
-the engine turns both off. CUDA (NCCL) is not wired: KV profiling runs a forward on one rank.
+With async scheduling a plan may hold decode inputs whose token is still in flight; only rank 0
+holds the previous step's sampled ids, so it fills them into the plan it broadcasts
+(``filled_inputs``): by then they exist, since a step's forward starts after the previous step's
+sampling. Start-up calibration runs its prefill forward through this runner, so every rank takes
+part. CUDA (NCCL) is not wired: KV profiling runs a forward on one rank.
 """
 
 from __future__ import annotations
@@ -203,6 +205,18 @@ def start(
         raise
 
 
+def filled_inputs(out: Any, prev: torch.Tensor | None) -> dict[str, np.ndarray]:
+    """The plan's ``input_ids`` with every token still in flight (async scheduling: laid out as
+    -1) filled from ``prev``, the previous step's sampled ids, which only rank 0 holds; and no
+    places left to fill. Rank 0's own runner fills the same places from the same ids."""
+    if prev is None:
+        raise RuntimeError("a step with tokens in flight needs the previous step's sampled ids")
+    ids = np.array(out.input_ids, dtype=np.int32, copy=True)
+    ids[out.inflight_token_indices] = prev.cpu().numpy()[out.inflight_sample_indices]
+    none = np.zeros(0, dtype=np.int32)
+    return {"input_ids": ids, "inflight_token_indices": none, "inflight_sample_indices": none}
+
+
 class TensorParallelRunner:
     """Rank 0's runner: sends each plan to the workers, then runs it here. Anything else (the KV
     pool, the model, graph counts) is rank 0's runner's."""
@@ -210,16 +224,18 @@ class TensorParallelRunner:
     def __init__(self, local: ModelRunner, workers: Workers, plans: Any) -> None:
         self.local, self.workers, self.plans, self.stopped = local, workers, plans, False
         self.plan_send_s, self.num_plans = 0.0, 0
+        self.num_inputs_filled = 0  # tokens in flight filled into the plans (async scheduling)
         atexit.register(self.shutdown)
 
     def execute(
         self, out: Any, prev: torch.Tensor | None = None, also: np.ndarray | None = None
     ) -> torch.Tensor:
-        if len(out.inflight_token_indices):
-            raise RuntimeError("tensor parallelism runs without async scheduling")
         started = time.perf_counter()
         try:
             plan = {f: getattr(out, f) for f in PLAN_FIELDS}
+            if len(out.inflight_token_indices):
+                plan.update(filled_inputs(out, prev))
+                self.num_inputs_filled += len(out.inflight_token_indices)
             dist.broadcast_object_list([(plan, also)], src=0, group=self.plans)
             self.plan_send_s += time.perf_counter() - started
             self.num_plans += 1

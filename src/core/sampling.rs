@@ -83,7 +83,8 @@ pub struct RowSampler {
     cand: Vec<u32>,
     /// Selection buffer: every token's `key`.
     keys: Vec<u64>,
-    /// Unnormalized probabilities, by token (unfiltered rows) or by candidate.
+    /// Unnormalized probabilities exp(x - max), by token (unfiltered rows, and top-p alone
+    /// before the cut) or by candidate (aligned with `cand` once the candidates are known).
     weights: Vec<f32>,
 }
 
@@ -96,6 +97,7 @@ impl RowSampler {
         }
         self.lg.clear();
         self.lg.extend(logits.iter().map(|&x| x / p.temperature));
+        self.weights.clear(); // none of an earlier row's
         let top_k = usize::try_from(p.top_k).ok().filter(|&k| k > 0 && k < vocab);
         let top_p = p.top_p < 1.0;
         if top_k.is_none() && !top_p {
@@ -147,44 +149,62 @@ impl RowSampler {
 
     /// Candidates without top-k: top-p over the whole vocabulary's softmax, on sorted prefixes
     /// of growing length until the cut falls inside one (or the prefix is the vocabulary).
+    /// Leaves the candidates' weights in `weights`.
     fn top_p_prefix(&mut self, top_p: f32) {
         let vocab = self.lg.len();
         let max = self.lg.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let sum = self.lg.iter().map(|&x| (x - max).exp() as f64).sum::<f64>() as f32;
+        self.weights.clear();
+        self.weights.extend(self.lg.iter().map(|&x| (x - max).exp())); // each exp once
+        let sum = self.weights.iter().map(|&w| w as f64).sum::<f64>() as f32;
         self.fill_keys();
         let mut m = 64.min(vocab);
         loop {
             self.sorted_prefix(m);
-            let lg = &self.lg;
-            let keep = keep_top_p(self.cand.iter().map(|&c| (lg[c as usize] - max).exp() / sum), top_p);
+            let w = &self.weights;
+            let keep = keep_top_p(self.cand.iter().map(|&c| w[c as usize] / sum), top_p);
             if let Some(keep) = keep {
                 self.cand.truncate(keep);
-                return;
+                break;
             }
             if m == vocab {
-                return;
+                break;
             }
             m = (m * 4).min(vocab);
         }
-    }
-
-    /// Top-p after top-k: the mass is the softmax over the candidates.
-    fn cut_top_p(&mut self, top_p: f32) {
-        let lg = &self.lg;
-        let Some(&first) = self.cand.first() else { return };
-        let max = lg[first as usize];
-        let sum = self.cand.iter().map(|&c| (lg[c as usize] - max).exp() as f64).sum::<f64>() as f32;
-        if let Some(keep) = keep_top_p(self.cand.iter().map(|&c| (lg[c as usize] - max).exp() / sum), top_p) {
-            self.cand.truncate(keep);
+        // by candidate now; the race takes the first candidate's logit as the maximum
+        let first = self.cand.first().map_or(max, |&c| self.lg[c as usize]);
+        if first.to_bits() == max.to_bits() {
+            let by_token = std::mem::take(&mut self.weights);
+            self.weights.extend(self.cand.iter().map(|&c| by_token[c as usize]));
+        } else {
+            self.weights.clear(); // a NaN row: the race computes them again
         }
     }
 
-    /// The race over the sorted candidates.
-    fn race_candidates(&mut self, p: &RowParams) -> u32 {
+    /// The candidates' weights, exp(x - the first's x), in `weights`.
+    fn candidate_weights(&mut self) {
         let lg = &self.lg;
-        let max = lg[self.cand[0] as usize];
+        let max = self.cand.first().map_or(0.0, |&c| lg[c as usize]);
         self.weights.clear();
         self.weights.extend(self.cand.iter().map(|&c| (lg[c as usize] - max).exp()));
+    }
+
+    /// Top-p after top-k: the mass is the softmax over the candidates. Leaves the candidates'
+    /// weights in `weights`.
+    fn cut_top_p(&mut self, top_p: f32) {
+        self.candidate_weights();
+        let sum = self.weights.iter().map(|&w| w as f64).sum::<f64>() as f32;
+        if let Some(keep) = keep_top_p(self.weights.iter().map(|&w| w / sum), top_p) {
+            self.cand.truncate(keep);
+            self.weights.truncate(keep);
+        }
+    }
+
+    /// The race over the sorted candidates (their weights in `weights` when aligned with them).
+    fn race_candidates(&mut self, p: &RowParams) -> u32 {
+        if self.weights.len() != self.cand.len() {
+            self.candidate_weights();
+        }
         let sum = self.weights.iter().map(|&w| w as f64).sum::<f64>() as f32;
         let floor = p.min_p * (1.0 / sum); // the largest probability: the first candidate's weight is exp(0)
         let mut race = Race::default();

@@ -16,7 +16,9 @@ the tensors a model maps stay valid; one that cannot be written is skipped with 
 Hashing the file (~0.25 s for SmolLM2's GGUF on a 2-core machine) is remembered too: ``gguf/keys/``
 maps the file's identity (real path, device, inode, size, mtime and ctime in ns) to its key, so an
 unchanged file is not read again. Writing to a file changes its ctime, which only a change of the
-system clock can set back, so a changed file is always hashed again.
+system clock can set back; but file times come from a clock that ticks every few milliseconds, so
+a file rewritten at the same size within one tick of its last write would keep its identity. So
+only a file whose ctime is ``SETTLED_S`` (2 s) old is remembered: a changed file is hashed again.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -41,6 +44,7 @@ from ferryman.tokenizer import load_saved
 
 CONVERSION_VERSION = b"ferryman-gguf-3"  # bump when what gguf_loader.convert or store writes changes
 _KEY = re.compile(r"[0-9a-f]{64}")
+SETTLED_S = 2  # a file whose ctime is younger is hashed every time (see the module docstring)
 
 
 def cache_root() -> Path:
@@ -67,6 +71,8 @@ def cache_dir(path: Path) -> Path:
         key = ""
     if not _KEY.fullmatch(key):
         key = content_key(path)
+        if time.time_ns() - st.st_ctime_ns < SETTLED_S * 1_000_000_000:
+            return cache_root() / key  # written just now: may change again within a clock tick
         try:
             memo.parent.mkdir(parents=True, exist_ok=True)
             tmp = memo.with_name(f".tmp-{os.getpid()}-{memo.name}")

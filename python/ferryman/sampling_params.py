@@ -48,12 +48,18 @@ class StructuredOutputsParams:
         return "json_object", ""
 
 
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
+MAX_TEMPERATURE = 1e6  # above, the float32 logits it divides are all but equal anyway
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request sampling and stopping.
 
-    ``temperature=0`` is greedy. ``top_k=-1`` (or 0) and ``top_p=1`` and ``min_p=0`` disable those
-    filters. ``seed`` makes a request's samples reproducible regardless of the batch it runs in.
+    ``temperature=0`` is greedy, and so is any temperature below ``GREEDY_BELOW`` (1e-5, vLLM's
+    rule: dividing by it would overflow the logits). ``top_k=-1`` (or 0) and ``top_p=1`` and
+    ``min_p=0`` disable those filters. ``seed`` makes a request's samples reproducible
+    regardless of the batch it runs in.
 
     Before any filter (greedy included), in this order, as vLLM applies them: ``min_tokens``
     (the EOS ids and ``stop_token_ids`` cannot be sampled before that many output tokens),
@@ -95,8 +101,8 @@ class SamplingParams:
             self.stop = [self.stop]
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:  # NaN fails too
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:

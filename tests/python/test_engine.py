@@ -308,3 +308,23 @@ def test_packed_cpu_weights_give_the_plain_logits(models: dict[str, Path], kind:
     assert want.abs().max() > 1.0  # not a degenerate comparison
     half, _ = load_model(models[kind], torch.bfloat16, cpu)
     assert not half.pack_cpu_weights()  # packing is for float32 only
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), 1e39, -0.5])
+def test_temperatures_out_of_range_are_refused(bad: float) -> None:
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=bad)
+
+
+def test_a_vanishing_temperature_samples_greedily_beside_other_requests(models: dict[str, Path]) -> None:
+    """1e-40 divides the logits into infinities (a NaN softmax): it is greedy instead (vLLM's rule
+    below 1e-5), and the sampled requests batched beside it are unaffected."""
+    path = str(models["llama"])
+    kw = {"block_size": 4, "num_device_blocks": 64, "num_host_blocks": 0}
+    want = [o.outputs[0].token_ids for o in Engine(path, **kw).generate(PROMPTS, GREEDY)]
+    sampled = SamplingParams(temperature=0.9, seed=1, max_tokens=12, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in Engine(path, **kw).generate(PROMPTS, sampled)]
+    vanishing = dataclasses.replace(GREEDY, temperature=1e-40)
+    outs = Engine(path, **kw).generate(PROMPTS * 2, [vanishing] * len(PROMPTS) + [sampled] * len(PROMPTS))
+    assert [o.outputs[0].token_ids for o in outs] == want + alone
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)

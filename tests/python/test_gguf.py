@@ -239,6 +239,10 @@ def test_the_cache_key_is_the_files_hash_remembered_until_the_file_changes(
     f.write_bytes(b"first bytes")
     first = gguf_cache.cache_dir(f)
     assert first == tmp_path / "cache" / "gguf" / gguf_cache.content_key(f)
+    keys = tmp_path / "cache" / "gguf" / "keys"
+    assert not keys.exists() or not any(keys.iterdir()), "a file written just now is not remembered"
+    monkeypatch.setattr(gguf_cache, "SETTLED_S", 0)  # from here on every file counts as settled
+    assert gguf_cache.cache_dir(f) == first
 
     def unread(_: Path) -> str:
         raise AssertionError("an unchanged file is hashed again")
@@ -251,7 +255,6 @@ def test_the_cache_key_is_the_files_hash_remembered_until_the_file_changes(
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
     second = gguf_cache.cache_dir(f)
     assert second != first and second.name == gguf_cache.content_key(f)
-    keys = tmp_path / "cache" / "gguf" / "keys"
     shutil.rmtree(keys)
     keys.write_text("")  # a memo that cannot be written: the file is hashed each time
     for _ in range(2):

@@ -29,6 +29,7 @@ from ray import serve
 
 from ferryman.engine import Engine
 from ferryman.engine_args import EngineArgs
+from ferryman.engine_setup import resolve_device
 from ferryman.server.app import build_app
 from ferryman.server.async_engine import AsyncEngine
 from ferryman.server.metrics import Metrics
@@ -105,19 +106,21 @@ def build_application(
     ``num_replicas`` engines built from ``args``. ``max_ongoing_requests`` caps the requests one
     replica holds (default: ``args.max_num_seqs``; more wait in Serve's queue for the first free
     replica); ``num_cpus`` (default: ``_cpus``) and ``num_gpus`` (default: 1 when
-    ``args.device`` is CUDA, else 0) are each replica's Ray resources; ``shutdown_timeout`` is how
-    long a stopping replica lets its requests finish."""
+    ``args.device`` resolves to CUDA, ``auto`` included on a machine with one, else 0) are each
+    replica's Ray resources; ``shutdown_timeout`` is how long a stopping replica lets its
+    requests finish."""
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
     if max_waiting is not None and max_waiting < 1:
         raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
-    gpus = num_gpus if num_gpus is not None else (1.0 if args.device.startswith("cuda") else 0.0)
+    if num_gpus is None:  # "auto" resolves here as each replica will resolve it (CUDA if there is one)
+        num_gpus = 1.0 if resolve_device(args.device).type == "cuda" else 0.0
     deployment = serve.deployment(
         serve.ingress()(FerrymanReplica),
         name=DEFAULT_NAME,
         num_replicas=num_replicas,
         max_ongoing_requests=max_ongoing_requests or args.max_num_seqs,
-        ray_actor_options={"num_cpus": num_cpus or _cpus(args), "num_gpus": gpus},
+        ray_actor_options={"num_cpus": num_cpus or _cpus(args), "num_gpus": num_gpus},
         graceful_shutdown_timeout_s=shutdown_timeout,
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
     )

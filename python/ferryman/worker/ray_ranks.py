@@ -14,6 +14,7 @@ imported here only, and only this backend imports this module.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -50,16 +51,17 @@ class RayWorkers:
         port = spec.init_method.rsplit(":", 1)[1]
         spec = dataclasses.replace(spec, init_method=f"tcp://{ray.util.get_node_ip_address()}:{port}")
         self.spec = spec
-        actor = ray.remote(num_cpus=1)(_Rank)
-        self.actors = [
-            actor.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.group, placement_group_bundle_index=i
-                )
-            ).remote()
-            for i in range(n)
-        ]
-        self.calls = [a.run.remote(i + 1, spec) for i, a in enumerate(self.actors)]
+        self.actors: list[Any] = []
+        try:  # the group's bundles and any actor made are given back if a later call raises
+            actor = ray.remote(num_cpus=1)(_Rank)
+            for i in range(n):
+                bundle = {"placement_group": self.group, "placement_group_bundle_index": i}
+                strategy = PlacementGroupSchedulingStrategy(**bundle)
+                self.actors.append(actor.options(scheduling_strategy=strategy).remote())
+            self.calls = [a.run.remote(i + 1, spec) for i, a in enumerate(self.actors)]
+        except BaseException:
+            self.kill()
+            raise
 
     def dead(self) -> list[str]:
         done, _ = ray.wait(self.calls, num_returns=len(self.calls), timeout=0)

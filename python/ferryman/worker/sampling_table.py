@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ferryman._core import sample_random_cpu
+from ferryman.sampling_params import GREEDY_BELOW
 from ferryman.worker.grammar_mask import apply_grammar as apply_grammar  # looked up here per call
 from ferryman.worker.logit_state import Adjust, LogitState, PromptArgs, adjust_args, prompt_args
 from ferryman.worker.sampler import Filters, gather_logprobs, sample_random
@@ -111,15 +112,16 @@ class SamplingTable:
                 fill = {"repetition_penalty": 1, "logprobs": -1, "prompt_lp": -1}.get(name, 0)
                 grow = np.full(max(i + 1, 2 * len(col)) - len(col), fill)
                 setattr(self, name, np.concatenate([col, grow.astype(col.dtype)]))
+        temperature = p.temperature if p.temperature >= GREEDY_BELOW else 0.0  # greedy below
         self.temperature[i], self.top_k[i], self.top_p[i], self.min_p[i] = (
-            p.temperature,
+            temperature,
             p.top_k,
             p.top_p,
             p.min_p,
         )
         self.seed[i] = seed
         self.logprobs[i] = -1 if p.logprobs is None else p.logprobs
-        self.num_random += p.temperature > 0
+        self.num_random += temperature > 0
         self.num_logprobs += p.logprobs is not None
         self.presence_penalty[i], self.frequency_penalty[i] = p.presence_penalty, p.frequency_penalty
         self.repetition_penalty[i], self.penalized[i] = p.repetition_penalty, p.penalized

@@ -29,6 +29,7 @@ ROW_COLUMNS = (
     "frequency_penalty",
     "repetition_penalty",
 )
+RANDOM_COLUMNS = ROW_COLUMNS[:5]  # what random sampling reads; the penalties are applied before it
 FORK_SEED_STRIDE = 1000003  # fork k of a request samples with seed + k * this
 History = Callable[[int, int], np.ndarray]  # (core id, fork) -> its output ids so far
 
@@ -230,7 +231,7 @@ class SamplingTable:
                 dev = logits.device
                 sel = a.random
                 r = torch.from_numpy(rows[sel].astype(np.int64)).to(dev)
-                p = {c: t[r] for c, t in self.by_row.items()}
+                p = {c: self.by_row[c][r] for c in RANDOM_COLUMNS}
                 forks = torch.from_numpy(seq_indices[sel].astype(np.int64)).to(dev)
                 idx = torch.from_numpy(sel).to(dev)
                 chosen = sample_random(
@@ -268,7 +269,7 @@ class SamplingTable:
         if a.any_random:
             sel = a.random
             r = rows[sel].astype(np.int64)
-            p = {c: t.numpy()[r] for c, t in self.by_row.items()}
+            p = {c: self.by_row[c].numpy()[r] for c in RANDOM_COLUMNS}
             seeds = p["seed"] + FORK_SEED_STRIDE * seq_indices[sel].astype(np.int64)
             at = positions[sel].astype(np.int64)
             tokens[sel] = sample_random_cpu(

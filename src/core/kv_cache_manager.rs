@@ -178,6 +178,16 @@ impl KvCacheManager {
     #[inline]
     pub fn allocate_slots(&mut self, idx: ReqIdx, num_computed: usize, num_new: usize) -> Option<Option<BlockCopy>> {
         let s = idx.get();
+        if !self.forked[s] && blocks_for(num_computed + num_new, self.block_size) <= self.tables[s].len() {
+            return Some(None); // most decodes: an unshared table whose last block has room
+        }
+        self.grow_slots(idx, num_computed, num_new)
+    }
+
+    /// `allocate_slots` past its common case: new blocks, or a forked table.
+    #[inline(never)]
+    fn grow_slots(&mut self, idx: ReqIdx, num_computed: usize, num_new: usize) -> Option<Option<BlockCopy>> {
+        let s = idx.get();
         let (want, cow_idx, need) = self.blocks_needed(idx, num_computed, num_new);
         if need == 0 {
             return Some(None); // most decodes: the last block has room

@@ -229,6 +229,7 @@ impl Request {
     }
 
     /// Appends a sampled token and says whether (and why) the request is now finished.
+    #[inline]
     pub fn append_token(&mut self, token: u32, max_model_len: usize) -> Option<FinishReason> {
         self.token_ids.push(token as i32);
         let s = &self.stop;

@@ -276,11 +276,31 @@ impl Scheduler {
 
     /// Appends `token` to request `idx` as row `i` of `out`, with its text; finishes the
     /// request when a stop condition holds, and then adds its whole output to `out`.
+    #[inline]
     fn append(&mut self, idx: ReqIdx, i: usize, token: u32, out: &mut StepOutputs) {
         let r = self.reqs.get_mut(idx);
-        let mut finish = r.append_token(token, self.cfg.max_model_len);
-        let stop_token = finish == Some(FinishReason::Stop);
+        let finish = r.append_token(token, self.cfg.max_model_len);
         self.counters.num_generated_tokens += 1;
+        if finish.is_none() && r.grammar.is_none() && (r.text.is_none() || self.tokenizer.is_none()) {
+            // a row without text or a grammar that goes on: nothing else to decide
+            out.set_row(i, r.req_id, r.seq_index, token as i32, None, r.num_output_tokens());
+            return;
+        }
+        self.append_rest(idx, i, token, finish, out);
+    }
+
+    /// `append` once the token is in: the grammar, the text and stop strings, finishing.
+    #[inline(never)]
+    fn append_rest(
+        &mut self,
+        idx: ReqIdx,
+        i: usize,
+        token: u32,
+        mut finish: Option<FinishReason>,
+        out: &mut StepOutputs,
+    ) {
+        let r = self.reqs.get_mut(idx);
+        let stop_token = finish == Some(FinishReason::Stop);
         if let Some(g) = r.grammar.as_deref_mut().filter(|_| !stop_token) {
             // a complete grammar ends the sequence; so does a token it refuses (a bug or a
             // sampler that ignored the mask), counted

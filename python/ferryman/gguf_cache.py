@@ -70,8 +70,9 @@ def cache_dir(path: Path) -> Path:
     except OSError:  # not remembered (or unreadable): hash the file
         key = ""
     if not _KEY.fullmatch(key):
+        now = time.time_ns()  # before hashing: a rewrite while it hashes must not count as settled
         key = content_key(path)
-        if time.time_ns() - st.st_ctime_ns < SETTLED_S * 1_000_000_000:
+        if now - st.st_ctime_ns < SETTLED_S * 1_000_000_000:
             return cache_root() / key  # written just now: may change again within a clock tick
         try:
             memo.parent.mkdir(parents=True, exist_ok=True)

@@ -86,6 +86,8 @@ pub struct RowSampler {
     /// Unnormalized probabilities exp(x - max), by token (unfiltered rows, and top-p alone
     /// before the cut) or by candidate (aligned with `cand` once the candidates are known).
     weights: Vec<f32>,
+    /// Top-p alone: the weights by token while `weights` takes them by candidate.
+    by_token: Vec<f32>,
 }
 
 impl RowSampler {
@@ -174,8 +176,9 @@ impl RowSampler {
         // by candidate now; the race takes the first candidate's logit as the maximum
         let first = self.cand.first().map_or(max, |&c| self.lg[c as usize]);
         if first.to_bits() == max.to_bits() {
-            let by_token = std::mem::take(&mut self.weights);
-            self.weights.extend(self.cand.iter().map(|&c| by_token[c as usize]));
+            std::mem::swap(&mut self.weights, &mut self.by_token); // both buffers kept for the next row
+            self.weights.clear();
+            self.weights.extend(self.cand.iter().map(|&c| self.by_token[c as usize]));
         } else {
             self.weights.clear(); // a NaN row: the race computes them again
         }

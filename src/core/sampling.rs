@@ -83,8 +83,8 @@ pub struct RowSampler {
     cand: Vec<u32>,
     /// Selection buffer: every token's `key`.
     keys: Vec<u64>,
-    /// Unnormalized probabilities exp(x - max), by token (unfiltered rows, and top-p alone
-    /// before the cut) or by candidate (aligned with `cand` once the candidates are known).
+    /// Unnormalized probabilities exp(x - max): by token for the race over the whole vocabulary;
+    /// by candidate, aligned with `cand`, once a filter has chosen the candidates.
     weights: Vec<f32>,
     /// Top-p alone: the weights by token while `weights` takes them by candidate.
     by_token: Vec<f32>,
@@ -99,7 +99,6 @@ impl RowSampler {
         }
         self.lg.clear();
         self.lg.extend(logits.iter().map(|&x| x / p.temperature));
-        self.weights.clear(); // none of an earlier row's
         let top_k = usize::try_from(p.top_k).ok().filter(|&k| k > 0 && k < vocab);
         let top_p = p.top_p < 1.0;
         if top_k.is_none() && !top_p {
@@ -110,6 +109,8 @@ impl RowSampler {
                 self.top_k(k);
                 if top_p {
                     self.cut_top_p(p.top_p);
+                } else {
+                    self.candidate_weights();
                 }
             }
             None => self.top_p_prefix(p.top_p),
@@ -173,14 +174,15 @@ impl RowSampler {
             }
             m = (m * 4).min(vocab);
         }
-        // by candidate now; the race takes the first candidate's logit as the maximum
+        // by candidate now, relative to the first candidate's logit: the same values unless
+        // that is not `max` (a NaN row), when they are computed again
         let first = self.cand.first().map_or(max, |&c| self.lg[c as usize]);
         if first.to_bits() == max.to_bits() {
             std::mem::swap(&mut self.weights, &mut self.by_token); // both buffers kept for the next row
             self.weights.clear();
             self.weights.extend(self.cand.iter().map(|&c| self.by_token[c as usize]));
         } else {
-            self.weights.clear(); // a NaN row: the race computes them again
+            self.candidate_weights();
         }
     }
 
@@ -203,19 +205,9 @@ impl RowSampler {
         }
     }
 
-    /// The race over the sorted candidates (their weights in `weights` when aligned with them).
-    fn race_candidates(&mut self, p: &RowParams) -> u32 {
-        if self.weights.len() != self.cand.len() {
-            self.candidate_weights();
-        }
-        let sum = self.weights.iter().map(|&w| w as f64).sum::<f64>() as f32;
-        let floor = p.min_p * (1.0 / sum); // the largest probability: the first candidate's weight is exp(0)
-        let mut race = Race::default();
-        for (&c, &w) in self.cand.iter().zip(&self.weights) {
-            let q = w / sum;
-            race.offer(c, if q < floor { 0.0 } else { q }, p);
-        }
-        race.winner.unwrap_or(self.cand[0])
+    /// The race over the sorted candidates, whose weights are in `weights`.
+    fn race_candidates(&self, p: &RowParams) -> u32 {
+        race(&self.weights, |i| self.cand[i], p).unwrap_or(self.cand[0])
     }
 
     /// The race over the whole vocabulary (no top-k or top-p).
@@ -224,15 +216,21 @@ impl RowSampler {
         let max = lg.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         self.weights.clear();
         self.weights.extend(lg.iter().map(|&x| (x - max).exp()));
-        let sum = self.weights.iter().map(|&w| w as f64).sum::<f64>() as f32;
-        let floor = p.min_p * (1.0 / sum); // the largest probability: the largest weight is exp(0)
-        let mut race = Race::default();
-        for (t, &w) in self.weights.iter().enumerate() {
-            let q = w / sum;
-            race.offer(t as u32, if q < floor { 0.0 } else { q }, p);
-        }
-        race.winner.unwrap_or(0)
+        race(&self.weights, |t| t as u32, p).unwrap_or(0)
     }
+}
+
+/// The race over `weights[i]`, the weight of token `id(i)`: probability q = w / sum, zeroed
+/// under min-p × the largest probability (the largest weight is exp(0) = 1).
+fn race(weights: &[f32], id: impl Fn(usize) -> u32, p: &RowParams) -> Option<u32> {
+    let sum = weights.iter().map(|&w| w as f64).sum::<f64>() as f32;
+    let floor = p.min_p * (1.0 / sum);
+    let mut race = Race::default();
+    for (i, &w) in weights.iter().enumerate() {
+        let q = w / sum;
+        race.offer(id(i), if q < floor { 0.0 } else { q }, p);
+    }
+    race.winner
 }
 
 /// How many of the probabilities `q` (by descending logit) top-p keeps: up to the first whose

@@ -5,6 +5,10 @@
 //!
 //!     cargo run --release -p ferryman-core --example replay -- trace.json [num_device_blocks]
 //!
+//! `FERRYMAN_REPLAY_EVICT_KIB=N` writes an N KiB buffer after each `schedule()` and `update()`,
+//! as a model forward on the CPU would, so the core's state is cold in the caches when the next
+//! call starts (8192 evicts this machine kind's L2; 256 its L1 under cachegrind's simulation).
+//!
 //! Uses mimalloc, the allocator the Python extension uses.
 
 #[global_allocator]
@@ -62,6 +66,16 @@ fn main() {
     let mut s = Scheduler::new(cfg).expect("config");
     let mut lens = vec![0u64; trace.iter().map(|r| r[0] as usize).max().unwrap_or(0) + 1];
     let (mut next, mut step, mut generated) = (0, 0u64, 0u64);
+    // a model forward runs between the calls and evicts the core's state from the caches;
+    // FERRYMAN_REPLAY_EVICT_KIB=N writes an N KiB buffer after `schedule()` and after `update()`
+    let evict_kib: usize = std::env::var("FERRYMAN_REPLAY_EVICT_KIB").map_or(0, |v| v.parse().expect("KiB"));
+    let mut scratch = vec![0u8; evict_kib << 10];
+    let mut evict = |round: u8| {
+        for line in scratch.chunks_mut(64) {
+            line[0] = line[0].wrapping_add(round);
+        }
+        std::hint::black_box(&scratch);
+    };
     let started = Instant::now();
     while next < trace.len() || s.has_unfinished_requests() {
         while next < trace.len() && trace[next][1] <= step {
@@ -73,8 +87,10 @@ fn main() {
             next += 1;
         }
         let out = s.schedule().expect("schedule");
+        evict(1);
         let sampled: Vec<i32> = out.sample_req_ids.iter().map(|&r| token(r as u64, lens[r as usize]) as i32).collect();
         let res = s.update(&sampled).expect("update");
+        evict(2);
         for &r in &res.req_ids {
             lens[r as usize] += 1;
         }

@@ -58,7 +58,9 @@ impl Scheduler {
                     if queues != (0, 0, 1) || !table.is_empty() {
                         return Err(format!("{id} is swapped but holds device blocks or sits in {queues:?}"));
                     }
-                    if host_table.len() + r.num_swap_prefix_blocks != self.cfg.blocks_for(r.num_computed_tokens) {
+                    if host_table.len() + r.num_swap_prefix_blocks as usize
+                        != self.cfg.blocks_for(r.num_computed_tokens)
+                    {
                         return Err(format!("{id}'s host table does not match its computed tokens"));
                     }
                 }

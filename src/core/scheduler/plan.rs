@@ -110,7 +110,7 @@ impl Scheduler {
                 break;
             }
             let num_computed = r.num_computed_tokens;
-            let keep = r.num_swap_prefix_blocks;
+            let keep = r.num_swap_prefix_blocks as usize;
             let (hit, free_hits) = self.kv.match_prefix(&r.block_hashes[..keep]);
             if hit < keep {
                 self.queues.pop_swapped();

@@ -166,7 +166,7 @@ impl Scheduler {
                 self.kv.truncate(idx, keep + cost.num_blocks_to_move); // blocks not yet computed
                 let first = plan.swap_out.len();
                 self.kv.swap_out(idx, keep, &mut plan.swap_out).expect("restore_cost saw host room");
-                r.num_swap_prefix_blocks = keep;
+                r.num_swap_prefix_blocks = keep as u32;
                 self.counters.num_blocks_kept_on_swap += keep as u64;
                 // The dropped copy would have filled its destination only after the swap-out
                 // runs; the source still holds that content when the swap-out runs (the

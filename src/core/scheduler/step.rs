@@ -321,16 +321,14 @@ impl Scheduler {
             if finish.is_some() && matches!(text.finish(), Push::Stop(_)) {
                 finish = Some(FinishReason::Stop);
             }
-            let at = out.text.len();
             text.take_delta(&mut out.text);
-            r.released_text.push_str(std::str::from_utf8(&out.text[at..]).expect("deltas are whole characters"));
         }
         out.set_row(i, r.req_id, r.seq_index, token as i32, finish, r.num_output_tokens());
         if let Some(reason) = finish {
             out.finished_rows.push(i as u32);
             out.output_token_ids.extend_from_slice(&r.token_ids[r.num_prompt_tokens..]);
             out.output_token_offsets.push(out.output_token_ids.len() as u32);
-            out.output_text.extend_from_slice(r.released_text.as_bytes());
+            out.output_text.extend_from_slice(r.text.as_ref().map_or(&b""[..], |t| t.released().as_bytes()));
             out.output_text_offsets.push(out.output_text.len() as u32);
             self.finish(idx, reason);
         }

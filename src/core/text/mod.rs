@@ -4,9 +4,10 @@
 //!   with a per-token table when its decoder allows (`pieces`), which makes detokenizing one
 //!   token a lookup instead of a decode.
 //! - `SeqText`: one sequence's text state, owned data only (it lives with the request):
-//!   the incremental detokenizer (`detokenize`), the stop strings (`stop`) and the text not yet
-//!   released. `push` adds a token and reports a stop-string match; `take_delta` appends the text
-//!   a stream may send now to a step-wide buffer; `finish` flushes and releases everything.
+//!   the incremental detokenizer (`detokenize`), the stop strings (`stop`), the text not yet
+//!   released and the text released so far. `push` adds a token and reports a stop-string
+//!   match; `take_delta` appends the text a stream may send now to a step-wide buffer;
+//!   `finish` flushes and releases everything.
 //!
 //! Semantics (those of the Python detokenizer and stop-string check this replaced; vLLM's stop
 //! strings with `include_stop_str_in_output = false`): all deltas of a sequence concatenate to
@@ -132,6 +133,8 @@ pub struct SeqText {
     stops: Stops,
     /// Detokenized text not yet released; every stop-string match starts in it.
     held: String,
+    /// The text released so far (what the deltas add up to).
+    released: String,
     finished: bool,
 }
 
@@ -139,7 +142,13 @@ impl SeqText {
     /// A sequence with no output yet, decoded with `tok`, stopping at any of `stop` (empty
     /// strings never match).
     pub fn new<S: AsRef<str>>(tok: &Tokenizer, stop: &[S]) -> Self {
-        Self { detok: Detok::new(tok), stops: Stops::new(stop), held: String::new(), finished: false }
+        Self {
+            detok: Detok::new(tok),
+            stops: Stops::new(stop),
+            held: String::new(),
+            released: String::new(),
+            finished: false,
+        }
     }
 
     /// Adds a sampled token (special tokens add no text). On a stop-string match the text is cut
@@ -175,8 +184,14 @@ impl SeqText {
         let keep = if self.finished { 0 } else { self.stops.hold_len(&self.held) };
         let n = self.held.len() - keep;
         out.extend_from_slice(&self.held.as_bytes()[..n]);
+        self.released.push_str(&self.held[..n]);
         self.held.drain(..n);
         n
+    }
+
+    /// Everything `take_delta` has released.
+    pub fn released(&self) -> &str {
+        &self.released
     }
 
     /// Whether a stop string matched or `finish` was called.

@@ -146,6 +146,31 @@ def test_flashinfer_backend_matches_the_torch_reference() -> None:
     assert steps > 5
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "head_dim"), [((8, 2), 128), ((4, 4), 64)])
+def test_flashinfer_fused_ops_match_the_torch_reference(
+    dtype: torch.dtype, heads: tuple[int, int], head_dim: int
+) -> None:
+    """FlashInfer's norm, residual add + norm, SiLU-and-mul and RoPE (``models/ops.py``) against
+    the torch ops, on strided q/k views of a qkv buffer as the model hands them over."""
+    from ferryman.models.ops import FlashInferOps, Shapes, TorchOps, check_ops
+
+    dev = torch.device("cuda")
+    inv_freq = 1.0 / (500000 ** (torch.arange(0, head_dim, 2, device=dev).float() / head_dim))
+    shapes = Shapes(1024, heads[0], heads[1], head_dim, 2048, dtype, dev, 4096)
+    assert check_ops(FlashInferOps(inv_freq, 1.0, 4096), TorchOps(inv_freq, 1.0), shapes) is None
+    # YaRN's cos/sin factor goes into FlashInfer's table
+    assert check_ops(FlashInferOps(inv_freq, 1.2, 4096), TorchOps(inv_freq, 1.2), shapes) is None
+
+
+def test_a_flashinfer_runner_runs_the_fused_ops(tmp_path: Path) -> None:
+    from ferryman.models.ops import FlashInferOps
+
+    (fi_r,) = tiny_runners(tmp_path, 16, 0, {"attention_backend": "flashinfer"})
+    assert isinstance(fi_r.ops, FlashInferOps), fi_r.ops_note
+    assert fi_r.ops_note.startswith("flashinfer")
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
 def test_forced_preemption_gives_identical_greedy_output_on_gpu(tmp_path: Path, mode: str) -> None:
     from tiny_models import build

@@ -23,6 +23,7 @@ from ferryman.attention.base import AttentionBackend
 from ferryman.models import cpu_linear
 from ferryman.models.config import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCHITECTURES
 from ferryman.models.config import ModelConfig as ModelConfig
+from ferryman.models.ops import Ops, TorchOps
 from ferryman.models.rope import rope_parameters
 from ferryman.models.tensor_parallel import Shard, TensorParallel, embed, our_name, shard_of, shard_tensor
 
@@ -78,11 +79,6 @@ def rope_for(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     )
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
 # Projections that read the same input run as one GEMM over their stacked weights: three GEMVs
 # fewer per layer on a GPU (not yet measured there). On CPU it is neutral end to end (5-7% less
 # projection time in a microbenchmark, within noise in a whole decode step; README). Checkpoints
@@ -117,25 +113,36 @@ class DecoderLayer(nn.Module):
         self.down_proj = Linear(self.inter, h, bias=False)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend, t: int
-    ) -> torch.Tensor:
-        """``x`` ``[n, hidden]``: the step's ``t`` tokens, then ``n - t`` padding rows."""
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: object,
+        attn: AttentionBackend,
+        t: int,
+        ops: Ops,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` ``[n, hidden]``: the step's ``t`` tokens, then ``n - t`` padding rows; with
+        ``residual``, the layer's input is ``residual + x`` (added inside the first norm: one
+        kernel with ``FlashInferOps``). Returns the MLP's output and the residual stream, whose
+        sum is the layer's output."""
         n = x.shape[0]
-        h = self.input_layernorm(x)
+        if residual is None:
+            h, residual = ops.rmsnorm(x, self.input_layernorm), x
+        else:
+            h, residual = ops.add_rmsnorm(x, residual, self.input_layernorm)
         q, k, v = self.qkv_proj(h).split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
         q, k, v = q.view(n, self.nq, self.d), k.view(n, self.nkv, self.d), v.view(n, self.nkv, self.d)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = ops.rope(q, k, rope)
         o = attn.forward(self.idx, q[:t], k[:t], v[:t]).reshape(t, self.nq * self.d)
         if n > t:
             o = F.pad(o, (0, 0, 0, n - t))
-        x = x + self.tp.all_reduce(self.o_proj(o))
-        h = self.post_attention_layernorm(x)
-        gate, up = self.gate_up_proj(h).split(self.inter, dim=-1)
-        out: torch.Tensor = x + self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
-        return out
+        h, residual = ops.add_rmsnorm(
+            self.tp.all_reduce(self.o_proj(o)), residual, self.post_attention_layernorm
+        )
+        out: torch.Tensor = self.tp.all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(h))))
+        return out, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -186,24 +193,27 @@ class LlamaForCausalLM(nn.Module):
         return model.eval()
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, ops: Ops | None = None
     ) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` of a flat token batch."""
+        """Hidden states ``[T, hidden]`` of a flat token batch; ``ops``: the elementwise kernels
+        (``models/ops.py``; default the torch reference)."""
+        ops = ops or self.reference_ops()
         t = input_ids.shape[0]
         pad = cpu_linear.padded_rows(t) - t if self.pad_rows else 0
         if pad:
             input_ids, positions = F.pad(input_ids, (0, pad)), F.pad(positions, (0, pad))
         x = embed(input_ids, self.embed_tokens.weight, self.shard, self.tp)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
-        if self.rope_scale != 1.0:
-            cos, sin = cos * self.rope_scale, sin * self.rope_scale
-        cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+        rope = ops.rope_state(positions, x.dtype)
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            x = layer(x, cos, sin, attn, t)
-        out: torch.Tensor = self.norm(x[:t])
-        return out
+            x, residual = layer(x, residual, rope, attn, t, ops)
+        assert residual is not None, "a model has at least one layer"
+        out, _ = ops.add_rmsnorm(x, residual, self.norm)
+        return out[:t]
+
+    def reference_ops(self) -> TorchOps:
+        """The torch reference ops for this model's RoPE."""
+        return TorchOps(self.inv_freq, self.rope_scale)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[S, vocab]`` of the rows to sample."""

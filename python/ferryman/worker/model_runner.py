@@ -7,9 +7,14 @@ logits of ``logits_indices`` (a row repeats for n > 1). With async scheduling a 
 be a token still in flight (-1 in ``input_ids``): it is filled on the device from the previous
 step's sampled ids (``prev``), which the engine keeps there. With FlashInfer and without
 ``enforce_eager``, a decode-only step that fits a captured batch size replays a CUDA graph
-(``attention/flashinfer_graphs.py``) instead of the eager plan + forward."""
+(``attention/flashinfer_graphs.py``) instead of the eager plan + forward. The model's
+elementwise kernels (norms, RoPE, SiLU-and-mul) are FlashInfer's fused ones with FlashInfer's
+attention, once they pass a check against the torch reference at start-up (``models/ops.py``;
+``ops_note`` says which run and why)."""
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
@@ -20,6 +25,7 @@ from ferryman.attention.flashinfer_backend import FlashInferBackend
 from ferryman.attention.flashinfer_graphs import DecodeGraphs, capture_sizes
 from ferryman.attention.selector import select_backend
 from ferryman.models.llama import LlamaForCausalLM
+from ferryman.models.ops import Shapes, select_ops
 from ferryman.worker.block_table import BlockTable
 from ferryman.worker.kv_cache import KvCache
 
@@ -56,12 +62,20 @@ class ModelRunner:
         )
         fi = self.attn if isinstance(self.attn, FlashInferBackend) else None
         self.attention_backend = "torch" if fi is None else "flashinfer"
+        s = model.shard
+        shapes = Shapes(
+            cfg.hidden_size, s.num_heads, s.num_kv_heads, cfg.head_dim, s.intermediate_size,
+            model.embed_tokens.weight.dtype, device, max_model_len,
+        )  # fmt: skip
+        choice = select_ops(fi is not None, model.inv_freq, model.rope_scale, shapes)
+        self.ops, self.ops_note = choice.ops, choice.note  # the elementwise kernels (models/ops.py)
         self.graphs: DecodeGraphs | None = None  # where CUDA graphs are on
         self.num_graph_steps = 0
         pages = -(-max_model_len // block_size)
         self.block_table = BlockTable(max_num_seqs, pages, block_size, pin=device.type == "cuda")
         if fi is not None and not enforce_eager:
-            self.graphs = DecodeGraphs(fi, model, capture_sizes(max_num_seqs), pages)
+            forward = functools.partial(model, ops=self.ops)
+            self.graphs = DecodeGraphs(fi, forward, capture_sizes(max_num_seqs), pages)
 
     @torch.inference_mode()
     def execute(
@@ -86,7 +100,7 @@ class ModelRunner:
             if fill is not None:
                 input_ids[fill[0]] = fill[1]
             positions = torch.from_numpy(step.positions).to(self.device)
-            hidden = self.model(input_ids, positions, self.attn)
+            hidden = self.model(input_ids, positions, self.attn, self.ops)
         at = out.logits_indices if also is None else np.concatenate([out.logits_indices, also])
         return self.model.compute_logits(hidden[torch.from_numpy(at).to(self.device)])
 

@@ -11,61 +11,57 @@ CUDA, and FlashInfer for the attention backend).
 - swap bandwidth (device -> host -> device, GB/s) for block sizes 16 and 64, blocks scattered,
   against one plain pinned ``copy_`` of a buffer of the same size;
 - CUDA graphs vs eager decode: the same runner's median decode step with its graphs, then with
-  them switched off, at each batch size (graphs only exist on CUDA with FlashInfer).
+  them switched off, at each batch size (graphs only exist on CUDA with FlashInfer);
+- the whole ``Engine.step()`` at each batch size (``engine_step_ms``: an Engine on the same shape
+  with ``load_format="dummy"``, its defaults on: async scheduling, CUDA graphs, the sampler,
+  outputs) over the runner-alone step above (``engine_step_over_runner``; target <= 1.10).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from ferryman._core import RequestParams, Scheduler, SchedulerConfig
-from ferryman.models.llama import LlamaForCausalLM, ModelConfig, rope_inv_freq
+from ferryman.engine import Engine
+from ferryman.models.llama import LlamaForCausalLM, ModelConfig
+from ferryman.sampling_params import SamplingParams
 from ferryman.worker.kv_cache import KvCache
 from ferryman.worker.model_runner import ModelRunner
 
 HBM_BYTES_PER_S = 4.8e12  # H200 datasheet; the report names it
 
 
-def random_llama(device: torch.device, smoke: bool = False) -> LlamaForCausalLM:
-    """Llama-3-8B's shape with random bf16 weights (``smoke``: a tiny shape, for a CPU dry run)."""
+def llama3_8b_config(smoke: bool = False) -> dict[str, Any]:
+    """Llama-3-8B's config.json (``smoke``: a tiny shape, for a CPU dry run)."""
     h, heads, kvh, layers, inter, vocab = (
         (256, 4, 2, 2, 512, 1000) if smoke else (4096, 32, 8, 32, 14336, 128256)
     )
-    cfg = ModelConfig(
-        architecture="LlamaForCausalLM",
-        vocab_size=vocab,
-        hidden_size=h,
-        intermediate_size=inter,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=kvh,
-        head_dim=h // heads,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling=None,
-        max_position_embeddings=8192,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        qk_norm=False,
-        eos_token_ids=[],
-    )
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device=device).to(torch.bfloat16)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
-    model.inv_freq = rope_inv_freq(cfg).to(device)
-    return model.eval()
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": vocab,
+        "hidden_size": h,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kvh,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": False,
+    }
+
+
+def random_llama(device: torch.device, smoke: bool = False) -> LlamaForCausalLM:
+    """Llama-3-8B's shape with random bf16 weights (``smoke``: tiny)."""
+    return LlamaForCausalLM.random(ModelConfig.from_hf(llama3_8b_config(smoke)), torch.bfloat16, device)
 
 
 def sync() -> None:
@@ -164,6 +160,45 @@ def decode_steps(s: Scheduler, runner: ModelRunner, steps: int) -> tuple[list[fl
     return step_s, fwd_s
 
 
+def engine_steps(smoke: bool, device: torch.device, batch: int, ctx: int, steps: int) -> float:
+    """Median wall time (s) of ``Engine.step()`` over ``steps`` decode steps of ``batch`` requests
+    of ``ctx`` random tokens: the whole engine (async scheduling and CUDA graphs as by default, the
+    sampler, text-free outputs) on the same shape as ``random_llama``, from its config.json with
+    ``load_format="dummy"``."""
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "config.json").write_text(json.dumps(llama3_8b_config(smoke)))
+        max_len = ctx + 2 * steps + 16
+        eng = Engine(
+            d,
+            load_format="dummy",
+            dtype="bfloat16",
+            device=device.type,
+            max_num_seqs=max(batch, 1),
+            max_model_len=max_len,
+            num_device_blocks=batch * (-(-max_len // 16)) + 8,
+            num_host_blocks=0,
+            enable_prefix_caching=False,
+            calibrate=False,
+        )
+        rng = np.random.default_rng(batch)
+        sp = SamplingParams(temperature=0.0, max_tokens=2 * steps + 8, ignore_eos=True)
+        for r in range(batch):
+            eng.add_request(str(r), rng.integers(0, eng.model.cfg.vocab_size, ctx).tolist(), sp)
+        for _ in range(10_000):  # prefill, then decode steps until async scheduling's steady state
+            st = eng.step().stats
+            if st is not None and st.num_prefill_tokens == 0 and st.num_scheduled_seqs == batch:
+                break
+        else:
+            raise RuntimeError(f"{batch} requests never decoded together")
+        eng.step()
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            eng.step()
+            times.append(time.perf_counter() - t)
+        return float(np.median(times))
+
+
 def swap_bandwidth(
     block_size: int, dev: torch.device, num_blocks: int = 1024, layers: int = 32
 ) -> dict[str, Any]:
@@ -224,6 +259,15 @@ def main() -> None:
     report["swap"] = [swap_bandwidth(16, dev, n, layers), swap_bandwidth(64, dev, n, layers)]
     model = random_llama(dev, a.smoke)
     report["decode"] = [decode_and_prefill(model, int(b), a.context, a.steps) for b in a.batches.split(",")]
+    del model
+    for row in report["decode"]:  # the whole Engine.step() beside the runner alone (decode_step_ms)
+        try:
+            engine_s = engine_steps(a.smoke, dev, row["batch"], a.context, a.steps)
+        except Exception as e:  # the runner's figures above still count
+            row["engine_step_error"] = f"{type(e).__name__}: {e}"
+            continue
+        row["engine_step_ms"] = round(engine_s * 1e3, 3)
+        row["engine_step_over_runner"] = round(engine_s * 1e3 / row["decode_step_ms"], 3)
     print(json.dumps(report))
 
 

@@ -28,6 +28,7 @@ from ferryman._core import InvalidRequestError, SchedulerConfig
 
 DEFAULT_MODEL = "smollm2"
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")  # attention/selector.py holds the rule
+LOAD_FORMATS = ("auto", "dummy")  # model_loader.load_model
 
 _Check = Callable[[Any], str | None]  # None when the value is fine, else what is wrong
 
@@ -169,6 +170,12 @@ class EngineArgs(SchedulerArgs):
         choices=("mp", "ray"),
     )
     calibrate: bool = knob(True, "measure the host link and prefill rate at start-up for the cost model")
+    load_format: str = knob(
+        "auto",
+        "'auto': the checkpoint's weights; 'dummy': random weights of the model's shape from its "
+        "config.json alone (benchmarks without the weights, as vLLM's)",
+        choices=LOAD_FORMATS,
+    )
 
 
 @functools.cache

@@ -68,9 +68,11 @@ def build_parts(args: EngineArgs) -> EngineParts:
         raise InvalidRequestError(
             "tensor_parallel_size > 1 runs on CPU (gloo) for now; CUDA is not wired yet"
         )
+    if n > 1 and args.load_format == "dummy":
+        raise InvalidRequestError("load_format='dummy' runs on one rank (tensor_parallel_size 1)")
     ray_backend = n > 1 and args.distributed_executor_backend == "ray"
     launch = ray_workers() if ray_backend else SpawnedWorkers  # before loading: fails fast without Ray
-    model, tokenizer = load_model(path, dtype, device, TensorParallel(0, n))
+    model, tokenizer = load_model(path, dtype, device, TensorParallel(0, n), args.load_format)
     mc, block_size = model.cfg, args.block_size
     # one rank's KV heads of a block (all of them without tensor parallelism)
     bpb = KvCache.bytes_per_block(mc.num_layers, block_size, model.shard.num_kv_heads, mc.head_dim, dtype)

@@ -85,12 +85,22 @@ def hub_snapshot(repo_id: str) -> Path:
 
 
 def load_model(
-    model: str | Path, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None
+    model: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallel | None = None,
+    load_format: str = "auto",
 ) -> tuple[LlamaForCausalLM, Any]:
-    """Model and tokenizer (or ``None``) from a model name, a ``.gguf`` file or an HF folder."""
+    """Model and tokenizer (or ``None``) from a model name, a ``.gguf`` file or an HF folder.
+    ``load_format="dummy"``: random weights (``LlamaForCausalLM.random``, seed 0) of the shape in
+    an HF folder's config.json, whose weights are never read (they need not be there)."""
     from ferryman.gguf_loader import load_gguf
 
     path = resolve_model_path(model)
+    if load_format == "dummy":
+        if tp is not None and tp.world > 1:
+            raise ModelLoadError("load_format='dummy' runs on one rank")
+        return LlamaForCausalLM.random(read_config(path), dtype, device), _tokenizer(path)
     if path.is_file() and path.suffix == ".gguf":
         try:
             return load_gguf(path, dtype, device, tp)
@@ -109,13 +119,7 @@ def load_hf_folder(
     from safetensors.torch import load_file
 
     root = Path(path)
-    cfg_path = root / "config.json"
-    if not cfg_path.is_file():
-        raise ModelLoadError(f"{root}: expected a Hugging Face model folder with config.json")
-    try:
-        cfg = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
-    except (KeyError, ValueError) as e:
-        raise ModelLoadError(f"{root}: a config ferryman cannot load: {e}") from e
+    cfg = read_config(root)
     index = root / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -130,6 +134,17 @@ def load_hf_folder(
     for f in files:
         tensors.update(load_file(str(root / f)))
     return LlamaForCausalLM.from_tensors(cfg, tensors, dtype, device, tp), _tokenizer(root)
+
+
+def read_config(root: Path) -> ModelConfig:
+    """The model config of an HF folder's config.json."""
+    cfg_path = root / "config.json"
+    if not cfg_path.is_file():
+        raise ModelLoadError(f"{root}: expected a Hugging Face model folder with config.json")
+    try:
+        return ModelConfig.from_hf(json.loads(cfg_path.read_text()))
+    except (KeyError, ValueError) as e:
+        raise ModelLoadError(f"{root}: a config ferryman cannot load: {e}") from e
 
 
 def read_shard(root: Path, files: list[str], cfg: ModelConfig, tp: TensorParallel) -> dict[str, torch.Tensor]:

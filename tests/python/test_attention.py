@@ -315,3 +315,5 @@ def test_gpu_benchmark_script_dry_runs_on_cpu() -> None:
     assert [d["batch"] for d in report["decode"]] == [1, 3]
     assert all(d["decode_tokens_per_s"] > 0 and d["prefill_tokens_per_s"] > 0 for d in report["decode"])
     assert [s["block_size"] for s in report["swap"]] == [16, 64]
+    # the whole Engine.step() (load_format="dummy") beside the runner alone, at each batch
+    assert all(d["engine_step_ms"] > 0 and d["engine_step_over_runner"] > 0 for d in report["decode"])

@@ -2,10 +2,12 @@
 checkpoints: RoPE scaling from ``config.json`` (linear, dynamic, llama3, YaRN) and from a GGUF
 (llama.cpp's ``rope_freqs`` tensor, ``rope.scaling.*`` keys) at positions past the original
 context; sliding windows and a ``max_model_len`` past the model's context refused;
-``generation_config.json`` as the default sampling; a Hugging Face Hub id read from the hub cache."""
+``generation_config.json`` as the default sampling; a Hugging Face Hub id read from the hub cache;
+``load_format="dummy"``: random weights of the config's shape."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -16,6 +18,7 @@ import pytest
 import torch
 from tiny_models import build, dense_causal
 
+from ferryman._core import InvalidRequestError
 from ferryman.engine import Engine
 from ferryman.model_loader import ModelLoadError, load_model
 from ferryman.sampling_params import SamplingParams
@@ -306,3 +309,42 @@ def test_the_server_fills_unset_fields_from_generation_config() -> None:
     assert p.max_tokens == 50  # a length the request sets is never capped by the defaults
     p = ChatCompletionRequest.model_validate({"messages": msgs}).sampling_params(None)
     assert (p.temperature, p.top_k, p.max_tokens) == (1.0, -1, None)
+
+
+def test_dummy_load_format_serves_random_weights_of_the_configs_shape(tmp_path: Path) -> None:
+    """``load_format="dummy"`` (vLLM's): the shape from config.json alone, no weights read."""
+    real = build("qwen3", tmp_path / "real", tokenizer=True)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in real.iterdir():  # everything but the weights
+        if f.suffix != ".safetensors":
+            shutil.copy(f, bare / f.name)
+    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors weights"):
+        load_model(bare, torch.float32, CPU)
+    model, tok = load_model(bare, torch.float32, CPU, load_format="dummy")
+    want, _ = load_model(real, torch.float32, CPU)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert shapes == {n: tuple(p.shape) for n, p in want.named_parameters()}
+    assert tok is not None  # the folder's tokenizer still loads
+    assert float(model.layers[0].input_layernorm.weight.min()) == 1.0
+    w = model.layers[0].qkv_proj.weight.detach()
+    assert 0.015 < float(w.std()) < 0.025 and not torch.equal(w, want.layers[0].qkv_proj.weight)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    sp = dataclasses.replace(GREEDY, ignore_eos=True)
+    outs = [
+        [
+            o.outputs[0].token_ids
+            for o in Engine(str(bare), load_format="dummy", calibrate=False).generate(prompts, sp)
+        ]
+        for _ in range(2)
+    ]
+    assert outs[0] == outs[1] and all(len(t) == 8 for t in outs[0])  # seeded: the same weights each time
+
+
+def test_dummy_load_format_needs_a_config_and_one_rank(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"config\.json"):
+        load_model(tmp_path, torch.float32, CPU, load_format="dummy")
+    with pytest.raises(InvalidRequestError, match="load_format"):
+        Engine(str(tmp_path), load_format="dumb")
+    with pytest.raises(InvalidRequestError, match="one rank"):
+        Engine(str(tmp_path), load_format="dummy", tensor_parallel_size=2)

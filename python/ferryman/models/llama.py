@@ -192,6 +192,27 @@ class LlamaForCausalLM(nn.Module):
         model.inv_freq = rope_inv_freq(cfg).to(device)  # not a checkpoint tensor: still on meta
         return model.eval()
 
+    @classmethod
+    def random(
+        cls, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0
+    ) -> LlamaForCausalLM:
+        """The model with random weights (``load_format="dummy"``): norms 1, everything else
+        N(0, 0.02²) from a generator seeded with ``seed``, so the same config, dtype and device
+        give the same weights."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        model = model.to_empty(device=device).to(dtype)
+        g = torch.Generator(device=device).manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.requires_grad_(False)  # inference only
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02, generator=g)
+        model.inv_freq = rope_inv_freq(cfg).to(device)
+        return model.eval()
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, ops: Ops | None = None
     ) -> torch.Tensor:

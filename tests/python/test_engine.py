@@ -221,6 +221,11 @@ def test_start_up_calibration_feeds_the_cost_model(models: dict[str, Path]) -> N
         str(models["llama"]), block_size=4, num_device_blocks=64, num_host_blocks=0, calibrate=True
     )
     assert no_host.stats()["cost_model"]["calibrated"] == ["prefill_tokens_per_s"]
+    # the prefill it times stays within max_model_len (FlashInfer's RoPE table ends there): the
+    # runner's block table keeps its 24 / 4 columns
+    short = Engine(str(models["llama"]), block_size=4, num_device_blocks=64, max_model_len=24)
+    assert short.calibration["prefill_tokens_per_s"] > 0
+    assert short.runner.block_table.table.shape[1] == 6
     assert (
         no_host.generate([PROMPTS[0]], GREEDY)[0].outputs[0].token_ids
         == eng.generate([PROMPTS[0]], GREEDY)[0].outputs[0].token_ids

@@ -7,10 +7,11 @@ ones: RMSNorm, the residual add fused with the next RMSNorm, SiLU-and-mul, and R
 - ``FlashInferOps``: FlashInfer's kernels (CUDA, ``ferryman[gpu]``): ``norm.rmsnorm``,
   ``norm.fused_add_rmsnorm`` (one pass: the residual add, then the norm, both in place),
   ``activation.silu_and_mul`` and ``rope.apply_rope_with_cos_sin_cache_inplace`` over a float32
-  cos/sin table of every position up to ``max_positions``. Each replaces two to six torch kernels
-  per call site (a profile's "norm / RoPE / activation" line: docs/gpu.md). They compute the norm
-  in float32 and round once, where the reference rounds the normalized value before the weight
-  multiply: outputs differ by rounding.
+  cos/sin table of every position below ``max_positions`` (the kernel does not bounds-check a
+  position: callers keep them below, as the runner's block table does). Each replaces several
+  torch kernels per call site (a profile's "norm / RoPE / activation" line: docs/gpu.md). They
+  compute the norm in float32 and round once, where the reference rounds the normalized value
+  before the weight multiply: outputs differ by rounding.
 
 ``select_ops`` picks FlashInfer's only where they can run, and only after they pass a check
 against the reference on the model's own shapes and dtype at start-up; otherwise the reference,
@@ -166,7 +167,8 @@ def _outputs(ops: Ops, ref: TorchOps, s: Shapes) -> dict[str, tuple[torch.Tensor
     norm = _CheckNorm(1 + 0.1 * rand(s.hidden), 1e-5)
     x, r, gu = rand(n, s.hidden), rand(n, s.hidden), rand(n, 2 * s.intermediate)
     qkv = rand(n, (s.num_heads + 2 * s.num_kv_heads) * d)
-    pos = torch.tensor([0, 1, 5, 17, 100, s.max_positions // 2, s.max_positions - 1], device=s.device)
+    at = [0, 1, 5, 17, 100, s.max_positions // 2, s.max_positions - 1]
+    pos = torch.tensor([p % s.max_positions for p in at], device=s.device)  # inside FlashInfer's table
 
     def rotated(o: Ops) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, _ = torch.split(qkv.clone(), [s.num_heads * d, s.num_kv_heads * d, s.num_kv_heads * d], dim=-1)

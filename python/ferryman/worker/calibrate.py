@@ -41,8 +41,8 @@ def prefill_tokens_per_s(
     runner: ModelRunner, block_size: int, num_blocks: int, num_tokens: int = 64
 ) -> float:
     """Tokens per second of one prefill forward of ``num_tokens`` (after an 8-token warm-up),
-    on blocks 1.. of the pool."""
-    num_tokens = max(1, min(num_tokens, num_blocks * block_size - 1))
+    on blocks 1.. of the pool, within the runner's ``max_model_len``."""
+    num_tokens = max(1, min(num_tokens, num_blocks * block_size - 1, runner.max_model_len - 1))
     vocab = runner.model.cfg.vocab_size
     s = Scheduler(
         SchedulerConfig(
@@ -87,7 +87,11 @@ def profile_kv_blocks(
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     tmp = KvCache(cfg.num_layers, blocks, 0, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
-    runner = ModelRunner(model, tmp, block_size, device, attention_backend)
+    # positions up to the budget; no CUDA graphs for a runner that runs one prefill
+    runner = ModelRunner(
+        model, tmp, block_size, device, attention_backend, enforce_eager=True,
+        max_model_len=max_num_batched_tokens + 1,
+    )  # fmt: skip
     prefill_tokens_per_s(runner, block_size, blocks, num_tokens=max_num_batched_tokens)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - tmp.device_kv.numel() * tmp.device_kv.element_size()

@@ -25,7 +25,7 @@ from ferryman.attention.flashinfer_backend import FlashInferBackend
 from ferryman.attention.flashinfer_graphs import DecodeGraphs, capture_sizes
 from ferryman.attention.selector import select_backend
 from ferryman.models.llama import LlamaForCausalLM
-from ferryman.models.ops import Shapes, select_ops
+from ferryman.models.ops import FlashInferOps, Shapes, select_ops
 from ferryman.worker.block_table import BlockTable
 from ferryman.worker.kv_cache import KvCache
 
@@ -62,16 +62,18 @@ class ModelRunner:
         )
         fi = self.attn if isinstance(self.attn, FlashInferBackend) else None
         self.attention_backend = "torch" if fi is None else "flashinfer"
+        self.max_model_len = max_model_len
+        pages = -(-max_model_len // block_size)
         s = model.shard
-        shapes = Shapes(
+        shapes = Shapes(  # positions stay below what the block table can address
             cfg.hidden_size, s.num_heads, s.num_kv_heads, cfg.head_dim, s.intermediate_size,
-            model.embed_tokens.weight.dtype, device, max_model_len,
+            model.embed_tokens.weight.dtype, device, pages * block_size,
         )  # fmt: skip
         choice = select_ops(fi is not None, model.inv_freq, model.rope_scale, shapes)
         self.ops, self.ops_note = choice.ops, choice.note  # the elementwise kernels (models/ops.py)
+        self.rope_limit = shapes.max_positions if isinstance(self.ops, FlashInferOps) else 0
         self.graphs: DecodeGraphs | None = None  # where CUDA graphs are on
         self.num_graph_steps = 0
-        pages = -(-max_model_len // block_size)
         self.block_table = BlockTable(max_num_seqs, pages, block_size, pin=device.type == "cuda")
         if fi is not None and not enforce_eager:
             forward = functools.partial(model, ops=self.ops)
@@ -85,6 +87,11 @@ class ModelRunner:
         index of ``also`` (prompt logprobs). ``prev``: the previous step's sampled ids (int32,
         on the device) when this step's inputs name some."""
         step = self.block_table.step(out)
+        if self.rope_limit and len(step.positions) and int(step.positions.max()) >= self.rope_limit:
+            # FlashInfer's RoPE reads its table unchecked: a position past it must not reach it
+            raise ValueError(
+                f"position {int(step.positions.max())} is past max_model_len {self.max_model_len}"
+            )
         self.kv.run_plans(
             out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy, step.slot_mapping
         )

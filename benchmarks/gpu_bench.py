@@ -14,12 +14,15 @@ CUDA, and FlashInfer for the attention backend).
   them switched off, at each batch size (graphs only exist on CUDA with FlashInfer);
 - the whole ``Engine.step()`` at each batch size (``engine_step_ms``: an Engine on the same shape
   with ``load_format="dummy"``, its defaults on: async scheduling, CUDA graphs, the sampler,
-  outputs) over the runner-alone step above (``engine_step_over_runner``; target <= 1.10).
+  outputs) over the runner-alone step above (``engine_step_over_runner``; target <= 1.10), and
+  over that step's forward + sampling part (``engine_step_over_forward``). The engine overlaps
+  its host work with the device (async scheduling), the runner-alone step does not.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import tempfile
 import time
@@ -69,22 +72,31 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def output_room(batch: int, ctx: int, steps: int) -> int:
+    """Output tokens a request needs: the prefill steps of the whole batch (8192 tokens each),
+    in which it may already decode, then 2 * ``steps`` decode steps and a margin."""
+    return -(-batch * ctx // 8192) + 2 * steps + 8
+
+
 def prepare(
     model: LlamaForCausalLM, batch: int, ctx: int, steps: int
 ) -> tuple[Scheduler, ModelRunner, int, float]:
     """``batch`` requests of ``ctx`` random tokens, prefilled (timed) and one decode step run, with
-    room for 2 * ``steps`` more decode steps: (scheduler, runner, prefill tokens, prefill s)."""
+    room for 2 * ``steps`` more decode steps: (scheduler, runner, prefill tokens, prefill s).
+    Requests prefilled first decode while the rest prefill, so each has room for those steps too
+    and the timed steps keep the whole batch."""
     cfg, dev, bs = model.cfg, next(model.parameters()).device, 16
-    blocks = batch * (-(-(ctx + 2 * steps + 8) // bs)) + 8
+    out_len = output_room(batch, ctx, steps)
+    blocks = batch * (-(-(ctx + out_len + 4) // bs)) + 8
     kv = KvCache(cfg.num_layers, blocks, 0, bs, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, dev)
-    runner = ModelRunner(model, kv, bs, dev, max_num_seqs=max(batch, 1), max_model_len=ctx + 2 * steps + 8)
+    runner = ModelRunner(model, kv, bs, dev, max_num_seqs=max(batch, 1), max_model_len=ctx + out_len + 4)
     s = Scheduler(
         SchedulerConfig(
             block_size=bs,
             num_device_blocks=blocks,
             max_num_batched_tokens=8192,
             max_num_seqs=max(batch, 1),
-            max_model_len=ctx + 2 * steps + 8,
+            max_model_len=ctx + out_len + 4,
             enable_prefix_caching=False,
         )
     )
@@ -93,7 +105,7 @@ def prepare(
         s.add_request(
             r,
             rng.integers(0, cfg.vocab_size, ctx).astype(np.int32),
-            RequestParams(2 * steps + 4, ignore_eos=True),
+            RequestParams(out_len, ignore_eos=True),
         )
     prefill_tokens, prefill_s = 0, 0.0
     while True:  # prefill everything (the budget splits it into chunks)
@@ -164,24 +176,27 @@ def engine_steps(smoke: bool, device: torch.device, batch: int, ctx: int, steps:
     """Median wall time (s) of ``Engine.step()`` over ``steps`` decode steps of ``batch`` requests
     of ``ctx`` random tokens: the whole engine (async scheduling and CUDA graphs as by default, the
     sampler, text-free outputs) on the same shape as ``random_llama``, from its config.json with
-    ``load_format="dummy"``."""
-    with tempfile.TemporaryDirectory() as d:
-        (Path(d) / "config.json").write_text(json.dumps(llama3_8b_config(smoke)))
-        max_len = ctx + 2 * steps + 16
-        eng = Engine(
-            d,
-            load_format="dummy",
-            dtype="bfloat16",
-            device=device.type,
-            max_num_seqs=max(batch, 1),
-            max_model_len=max_len,
-            num_device_blocks=batch * (-(-max_len // 16)) + 8,
-            num_host_blocks=0,
-            enable_prefix_caching=False,
-            calibrate=False,
-        )
+    ``load_format="dummy"``. Raises if a timed step does not decode the whole batch."""
+    eng = None
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            (Path(d) / "config.json").write_text(json.dumps(llama3_8b_config(smoke)))
+            out_len = output_room(batch, ctx, steps)
+            max_len = ctx + out_len + 8
+            eng = Engine(
+                d,
+                load_format="dummy",
+                dtype="bfloat16",
+                device=device.type,
+                max_num_seqs=max(batch, 1),
+                max_model_len=max_len,
+                num_device_blocks=batch * (-(-max_len // 16)) + 8,
+                num_host_blocks=0,
+                enable_prefix_caching=False,
+                calibrate=False,
+            )
         rng = np.random.default_rng(batch)
-        sp = SamplingParams(temperature=0.0, max_tokens=2 * steps + 8, ignore_eos=True)
+        sp = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
         for r in range(batch):
             eng.add_request(str(r), rng.integers(0, eng.model.cfg.vocab_size, ctx).tolist(), sp)
         for _ in range(10_000):  # prefill, then decode steps until async scheduling's steady state
@@ -194,9 +209,16 @@ def engine_steps(smoke: bool, device: torch.device, batch: int, ctx: int, steps:
         times = []
         for _ in range(steps):
             t = time.perf_counter()
-            eng.step()
+            st = eng.step().stats
             times.append(time.perf_counter() - t)
+            if st is None or st.num_scheduled_seqs != batch:
+                raise RuntimeError(f"a timed step ran {st and st.num_scheduled_seqs} of {batch} rows")
         return float(np.median(times))
+    finally:  # the engine holds a model, a KV pool and CUDA graphs: free them before the next
+        del eng
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def swap_bandwidth(
@@ -267,7 +289,10 @@ def main() -> None:
             row["engine_step_error"] = f"{type(e).__name__}: {e}"
             continue
         row["engine_step_ms"] = round(engine_s * 1e3, 3)
+        # over the runner-alone step (scheduler, forward, argmax, host copy, update; synchronous),
+        # and over its forward + sampling part alone
         row["engine_step_over_runner"] = round(engine_s * 1e3 / row["decode_step_ms"], 3)
+        row["engine_step_over_forward"] = round(engine_s * 1e3 / row["decode_forward_ms"], 3)
     print(json.dumps(report))
 
 

@@ -25,6 +25,9 @@ left() { local l=$(( deadline - $(date +%s) - $1 )); (( l > $2 )) && echo "$l" |
 STAGES=${STAGES:-tests bench profile overlap}
 rm -f /tmp/gpu_bench.json /tmp/gpu_profile.json /tmp/gpu_overlap.json  # no figures of an earlier call
 want() { [[ " $STAGES " == *" $1 "* ]]; }
+for s in $STAGES; do  # a typo would otherwise run nothing and pass
+  case $s in tests|bench|profile|overlap) ;; *) echo "unknown stage '$s' in STAGES"; exit 2 ;; esac
+done
 tests_rc=-1 bench_rc=-1 profile_rc=-1 overlap_rc=-1
 : > "$LOG/gpu_tests.log"
 if want tests; then

@@ -170,7 +170,7 @@ def test_a_flashinfer_runner_runs_the_fused_ops(tmp_path: Path) -> None:
     assert isinstance(fi_r.ops, FlashInferOps), fi_r.ops_note
     assert fi_r.ops_note.startswith("flashinfer")
     # its RoPE table covers max_model_len (128) and the runner refuses positions past it
-    assert fi_r.ops.cos_sin.shape[0] == fi_r.rope_limit == 128
+    assert fi_r.ops.cos_sin.shape[0] == fi_r.position_limit == 128
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])

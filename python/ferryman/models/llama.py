@@ -200,8 +200,8 @@ class LlamaForCausalLM(nn.Module):
         N(0, 0.02²) from a generator seeded with ``seed``, so the same config, dtype and device
         give the same weights."""
         with torch.device("meta"):
-            model = cls(cfg)
-        model = model.to_empty(device=device).to(dtype)
+            model = cls(cfg).to(dtype)  # in dtype before any memory exists (not float32 first)
+        model = model.to_empty(device=device)
         g = torch.Generator(device=device).manual_seed(seed)
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -25,7 +25,7 @@ from ferryman.attention.flashinfer_backend import FlashInferBackend
 from ferryman.attention.flashinfer_graphs import DecodeGraphs, capture_sizes
 from ferryman.attention.selector import select_backend
 from ferryman.models.llama import LlamaForCausalLM
-from ferryman.models.ops import FlashInferOps, Shapes, select_ops
+from ferryman.models.ops import Shapes, select_ops
 from ferryman.worker.block_table import BlockTable
 from ferryman.worker.kv_cache import KvCache
 
@@ -71,7 +71,8 @@ class ModelRunner:
         )  # fmt: skip
         choice = select_ops(fi is not None, model.inv_freq, model.rope_scale, shapes)
         self.ops, self.ops_note = choice.ops, choice.note  # the elementwise kernels (models/ops.py)
-        self.rope_limit = shapes.max_positions if isinstance(self.ops, FlashInferOps) else 0
+        # positions a step may reach: checked with FlashInfer (its RoPE table, the graphs' buffers)
+        self.position_limit = shapes.max_positions if fi is not None else 0
         self.graphs: DecodeGraphs | None = None  # where CUDA graphs are on
         self.num_graph_steps = 0
         self.block_table = BlockTable(max_num_seqs, pages, block_size, pin=device.type == "cuda")
@@ -87,11 +88,10 @@ class ModelRunner:
         index of ``also`` (prompt logprobs). ``prev``: the previous step's sampled ids (int32,
         on the device) when this step's inputs name some."""
         step = self.block_table.step(out)
-        if self.rope_limit and len(step.positions) and int(step.positions.max()) >= self.rope_limit:
-            # FlashInfer's RoPE reads its table unchecked: a position past it must not reach it
-            raise ValueError(
-                f"position {int(step.positions.max())} is past max_model_len {self.max_model_len}"
-            )
+        if self.position_limit and len(step.positions) and int(step.positions.max()) >= self.position_limit:
+            # FlashInfer's RoPE table and the CUDA graphs' page buffers end there, unchecked
+            top = int(step.positions.max())
+            raise ValueError(f"position {top} is past the {self.position_limit} this runner was sized for")
         self.kv.run_plans(
             out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy, step.slot_mapping
         )

@@ -19,6 +19,7 @@ leave the engine dead (``EngineDeadError``). ``generate`` / ``chat``: ``engine_o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import random
 import time
@@ -28,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ferryman._core import InvalidRequestError, RequestParams
+from ferryman._core import InvalidRequestError, RequestParams, Scheduler
 from ferryman.engine_args import DEFAULT_MODEL, EngineArgs
 from ferryman.engine_faults import MAX_STEP_FAILURES, NON_FINITE, EngineDeadError, FaultsMixin
 from ferryman.engine_offline import OfflineMixin, Prompt
@@ -41,6 +42,12 @@ from ferryman.worker.step_worker import InFlight as _InFlight
 from ferryman.worker.step_worker import Sampled, StepWorker, parse_fault_steps
 
 __all__ = ["MAX_STEP_FAILURES", "Engine", "EngineDeadError", "Prompt"]
+
+
+def _output_history(scheduler: Scheduler, core_id: int, seq_index: int) -> np.ndarray:
+    """A live sequence's output ids so far (the sampler's penalties count them)."""
+    out = scheduler.output_token_ids(core_id, seq_index)
+    return np.zeros(0, np.int32) if out is None else out
 
 
 class Engine(FaultsMixin, OfflineMixin):
@@ -63,7 +70,8 @@ class Engine(FaultsMixin, OfflineMixin):
         self._rng = random.Random(args.seed)
         self._outputs = OutputProcessor()
         self._sampling = SamplingTable(args.max_num_seqs, self.device, mc.vocab_size)
-        self._sampling.history = self._output_history
+        # of the scheduler alone: a bound method made a cycle that kept dropped engines alive
+        self._sampling.history = functools.partial(_output_history, self.scheduler)
         self._core_ids: dict[str, int] = {}
         self._free_ids: list[int] = []  # core ids to reuse: they index the sampling table
         self._next_id = 0
@@ -141,12 +149,6 @@ class Engine(FaultsMixin, OfflineMixin):
         self._sampling.set(core_id, params, seed, ids, stop_ids)
         self._outputs.add(core_id, RequestState(request_id, text, ids, params, RequestMetrics(arrival)))
         self._core_ids[request_id] = core_id
-
-    def _output_history(self, core_id: int, seq_index: int) -> np.ndarray:
-        """A live sequence's output ids so far (the sampler's penalties count them when it takes
-        a batch row)."""
-        out = self.scheduler.output_token_ids(core_id, seq_index)
-        return np.zeros(0, np.int32) if out is None else out
 
     def num_prompt_tokens(self, request_id: str) -> int:
         """Prompt length of a live request, in tokens."""

@@ -5,6 +5,8 @@ depend on the batch."""
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -333,3 +335,21 @@ def test_a_vanishing_temperature_samples_greedily_beside_other_requests(models: 
     outs = Engine(path, **kw).generate(PROMPTS * 2, [vanishing] * len(PROMPTS) + [sampled] * len(PROMPTS))
     assert [o.outputs[0].token_ids for o in outs] == want + alone
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_dropped_engine_frees_its_model_without_the_garbage_collector(
+    models: dict[str, Path], async_scheduling: bool
+) -> None:
+    """No reference cycle through the engine (the sampling table once held a bound method of it):
+    a model and KV pool go when the engine does, not at some later collection."""
+    eng = Engine(str(models["llama"]), calibrate=False, async_scheduling=async_scheduling)
+    sp = SamplingParams(temperature=0.8, max_tokens=4, seed=1, presence_penalty=0.5)  # reads history
+    assert len(eng.generate([PROMPTS[0]], sp)[0].outputs[0].token_ids) == 4
+    model, kv = weakref.ref(eng.model), weakref.ref(eng.kv)
+    gc.disable()
+    try:
+        del eng
+        assert model() is None and kv() is None
+    finally:
+        gc.enable()

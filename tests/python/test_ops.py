@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from tiny_models import build
 
 from ferryman.engine import Engine
-from ferryman.models.ops import Norm, Shapes, TorchOps, check_ops, select_ops
+from ferryman.models.ops import RMSNorm, Shapes, TorchOps, check_ops, select_ops
 from ferryman.sampling_params import SamplingParams
 
 SHAPES = Shapes(64, 4, 2, 16, 128, torch.float32, torch.device("cpu"), 256)
@@ -31,7 +31,7 @@ class InPlaceOps(TorchOps):
     ``fused_add_rmsnorm`` and ``apply_rope_with_cos_sin_cache_inplace`` do."""
 
     def add_rmsnorm(
-        self, x: torch.Tensor, residual: torch.Tensor, norm: Norm
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
         residual.add_(x)
         x.copy_(norm(residual))

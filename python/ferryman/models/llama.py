@@ -23,7 +23,7 @@ from ferryman.attention.base import AttentionBackend
 from ferryman.models import cpu_linear
 from ferryman.models.config import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCHITECTURES
 from ferryman.models.config import ModelConfig as ModelConfig
-from ferryman.models.ops import Ops, TorchOps
+from ferryman.models.ops import Ops, RMSNorm, TorchOps
 from ferryman.models.rope import rope_parameters
 from ferryman.models.tensor_parallel import Shard, TensorParallel, embed, our_name, shard_of, shard_tensor
 
@@ -53,18 +53,6 @@ class Embedding(nn.Embedding):
 
     def reset_parameters(self) -> None:
         pass
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -218,7 +206,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of a flat token batch; ``ops``: the elementwise kernels
         (``models/ops.py``; default the torch reference)."""
-        ops = ops or self.reference_ops()
+        ops = ops or TorchOps(self.inv_freq, self.rope_scale)
         t = input_ids.shape[0]
         pad = cpu_linear.padded_rows(t) - t if self.pad_rows else 0
         if pad:
@@ -231,10 +219,6 @@ class LlamaForCausalLM(nn.Module):
         assert residual is not None, "a model has at least one layer"
         out, _ = ops.add_rmsnorm(x, residual, self.norm)
         return out[:t]
-
-    def reference_ops(self) -> TorchOps:
-        """The torch reference ops for this model's RoPE."""
-        return TorchOps(self.inv_freq, self.rope_scale)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[S, vocab]`` of the rows to sample."""

@@ -1,9 +1,9 @@
 """The model's elementwise kernels behind one small interface, so a CUDA runner can swap in fused
 ones: RMSNorm, the residual add fused with the next RMSNorm, SiLU-and-mul, and RoPE on q and k.
 
-- ``TorchOps``: the reference, and the CPU path. Exactly the arithmetic of the model's own
-  modules (``RMSNorm``, ``q * cos + rotate_half(q) * sin``, ``silu(gate) * up``), so the CPU
-  path's outputs are unchanged by this interface.
+- ``RMSNorm``: the model's norm module (its weight), whose forward is the reference norm.
+- ``TorchOps``: the reference, and the CPU path: ``RMSNorm``, ``q * cos + rotate_half(q) * sin``,
+  ``silu(gate) * up``, the arithmetic the model always had.
 - ``FlashInferOps``: FlashInfer's kernels (CUDA, ``ferryman[gpu]``): ``norm.rmsnorm``,
   ``norm.fused_add_rmsnorm`` (one pass: the residual add, then the norm, both in place),
   ``activation.silu_and_mul`` and ``rope.apply_rope_with_cos_sin_cache_inplace`` over a float32
@@ -28,18 +28,26 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
-class Norm(Protocol):
-    weight: nn.Parameter
-    eps: float
+class RMSNorm(nn.Module):
+    """The model's RMSNorm module: its weight, and the reference arithmetic (Hugging Face's order:
+    normalized in float32, rounded to the input's dtype, then times the weight)."""
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -50,19 +58,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class TorchOps:
     """The reference: torch ops, the model's arithmetic as it always was."""
 
-    name = "torch"
-
     def __init__(self, inv_freq: torch.Tensor, rope_scale: float) -> None:
         self.inv_freq, self.rope_scale = inv_freq, rope_scale
 
-    def rmsnorm(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
-        return norm(x)
+    def rmsnorm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        return norm.forward(x)
 
     def add_rmsnorm(
-        self, x: torch.Tensor, residual: torch.Tensor, norm: Norm
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
         r = residual + x
-        return norm(r), r
+        return norm.forward(r), r
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -85,8 +91,6 @@ class TorchOps:
 class FlashInferOps:
     """FlashInfer's fused kernels (CUDA only; imported when built)."""
 
-    name = "flashinfer"
-
     def __init__(self, inv_freq: torch.Tensor, rope_scale: float, max_positions: int) -> None:
         import flashinfer
 
@@ -95,12 +99,12 @@ class FlashInferOps:
         freqs = pos[:, None] * inv_freq.float()[None, :]  # [P, d/2]: cos first, then sin
         self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * rope_scale
 
-    def rmsnorm(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
+    def rmsnorm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         out: torch.Tensor = self.fi.norm.rmsnorm(x, norm.weight, norm.eps)
         return out
 
     def add_rmsnorm(
-        self, x: torch.Tensor, residual: torch.Tensor, norm: Norm
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = x.contiguous(), residual.contiguous()  # no-ops on the model's tensors
         self.fi.norm.fused_add_rmsnorm(x, residual, norm.weight, norm.eps)
@@ -129,19 +133,6 @@ class OpsChoice:
     note: str  # why these ops (and, after a failed check, what failed)
 
 
-class _CheckNorm(nn.Module):
-    """An RMSNorm for the start-up check (the model's own class would import the model)."""
-
-    def __init__(self, weight: torch.Tensor, eps: float) -> None:
-        super().__init__()
-        self.weight, self.eps = nn.Parameter(weight, requires_grad=False), eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
 @dataclass
 class Shapes:
     """What the check runs on: the model's (this rank's) sizes, dtype and device."""
@@ -164,7 +155,8 @@ def _outputs(ops: Ops, ref: TorchOps, s: Shapes) -> dict[str, tuple[torch.Tensor
         return torch.randn(*shape, generator=g).to(s.device, s.dtype)
 
     n, d = 7, s.head_dim
-    norm = _CheckNorm(1 + 0.1 * rand(s.hidden), 1e-5)
+    norm = RMSNorm(s.hidden, 1e-5).requires_grad_(False).to(s.device, s.dtype)
+    norm.weight.copy_(1 + 0.1 * rand(s.hidden))
     x, r, gu = rand(n, s.hidden), rand(n, s.hidden), rand(n, 2 * s.intermediate)
     qkv = rand(n, (s.num_heads + 2 * s.num_kv_heads) * d)
     at = [0, 1, 5, 17, 100, s.max_positions // 2, s.max_positions - 1]

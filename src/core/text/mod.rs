@@ -15,8 +15,9 @@
 //! that could still begin a stop string is held back until it cannot, so nothing released is
 //! ever cut later.
 //!
-//! Invariants: `held` is valid UTF-8 and every stop-string match starts inside it; once
-//! `finished`, nothing more is pushed and `take_delta` releases all of `held`.
+//! Invariants: `text[..released]` was released and `text[released..]` is held, both valid
+//! UTF-8; every stop-string match starts in the held part; once `finished`, nothing more is
+//! pushed and `take_delta` releases all of it.
 
 mod detokenize;
 #[doc(hidden)]
@@ -126,15 +127,16 @@ pub enum Push {
     Stop(usize),
 }
 
-/// One sequence's text: detokenizer, stop strings, and the text not yet released.
+/// One sequence's text: detokenizer, stop strings, and the text released and held.
 #[derive(Debug, Clone)]
 pub struct SeqText {
     detok: Detok,
     stops: Stops,
-    /// Detokenized text not yet released; every stop-string match starts in it.
-    held: String,
-    /// The text released so far (what the deltas add up to).
-    released: String,
+    /// Detokenized text so far: the released part (what the deltas add up to), then the part
+    /// held back, where every stop-string match starts.
+    text: String,
+    /// Bytes of `text` released.
+    released: usize,
     finished: bool,
 }
 
@@ -142,13 +144,7 @@ impl SeqText {
     /// A sequence with no output yet, decoded with `tok`, stopping at any of `stop` (empty
     /// strings never match).
     pub fn new<S: AsRef<str>>(tok: &Tokenizer, stop: &[S]) -> Self {
-        Self {
-            detok: Detok::new(tok),
-            stops: Stops::new(stop),
-            held: String::new(),
-            released: String::new(),
-            finished: false,
-        }
+        Self { detok: Detok::new(tok), stops: Stops::new(stop), text: String::new(), released: 0, finished: false }
     }
 
     /// Adds a sampled token (special tokens add no text). On a stop-string match the text is cut
@@ -158,8 +154,8 @@ impl SeqText {
         if self.finished {
             return Err(CoreError::OutOfOrder("SeqText::push after the sequence finished"));
         }
-        let new_start = self.held.len();
-        self.detok.push(tok, token_id, &mut self.held)?;
+        let new_start = self.text.len();
+        self.detok.push(tok, token_id, &mut self.text)?;
         Ok(self.check_stops(new_start))
     }
 
@@ -170,8 +166,8 @@ impl SeqText {
         if self.finished {
             return Push::Continue;
         }
-        let new_start = self.held.len();
-        self.detok.flush(&mut self.held);
+        let new_start = self.text.len();
+        self.detok.flush(&mut self.text);
         let push = self.check_stops(new_start);
         self.finished = true;
         push
@@ -181,17 +177,16 @@ impl SeqText {
     /// bytes: everything but the longest tail that could begin a stop string, or everything once
     /// finished.
     pub fn take_delta(&mut self, out: &mut Vec<u8>) -> usize {
-        let keep = if self.finished { 0 } else { self.stops.hold_len(&self.held) };
-        let n = self.held.len() - keep;
-        out.extend_from_slice(&self.held.as_bytes()[..n]);
-        self.released.push_str(&self.held[..n]);
-        self.held.drain(..n);
+        let held = &self.text[self.released..];
+        let n = held.len() - if self.finished { 0 } else { self.stops.hold_len(held) };
+        out.extend_from_slice(&held.as_bytes()[..n]);
+        self.released += n;
         n
     }
 
     /// Everything `take_delta` has released.
     pub fn released(&self) -> &str {
-        &self.released
+        &self.text[..self.released]
     }
 
     /// Whether a stop string matched or `finish` was called.
@@ -200,12 +195,12 @@ impl SeqText {
     }
 
     fn check_stops(&mut self, new_start: usize) -> Push {
-        if self.held.len() == new_start || self.stops.is_empty() {
+        if self.text.len() == new_start || self.stops.is_empty() {
             return Push::Continue;
         }
-        match self.stops.find(&self.held, new_start) {
+        match self.stops.find(&self.text[self.released..], new_start - self.released) {
             Some((at, index)) => {
-                self.held.truncate(at);
+                self.text.truncate(self.released + at);
                 self.finished = true;
                 Push::Stop(index)
             }

@@ -1,9 +1,9 @@
 //! `Stops`: a sequence's stop strings (vLLM's `stop`, with `include_stop_str_in_output = false`):
 //! where the earliest one matches, and how much of the text a stream must hold back.
 //!
-//! Both work on the text not yet released (`SeqText::held`): a match always starts there,
-//! because release keeps back every suffix that could begin a stop string. Empty stop strings
-//! never match. Offsets are in bytes of valid UTF-8, so a match always falls on char boundaries.
+//! Both work on the text not yet released (the held part of `SeqText::text`): a match always
+//! starts there, because release keeps back every suffix that could begin a stop string. Empty
+//! stop strings never match. Offsets are in bytes of valid UTF-8, so a match always falls on char boundaries.
 
 /// The stop strings of one sequence, in the caller's order (a match reports its index).
 #[derive(Debug, Clone, Default)]

@@ -15,11 +15,13 @@
 //! accumulated in float64 as torch does on the CPU), so both pick the same token except where two
 //! candidates tie to within rounding.
 //!
-//! What makes it cheap: top-k by selection (O(V)), not a sort of the vocabulary; top-p by sorting
-//! growing prefixes found by selection, so a peaked row sorts tens of tokens; and the race never
-//! takes the logarithm of a token that cannot win: since -ln(u) ≥ 1 - u, a token whose
-//! p / (1 - u) is below the best race value so far is out, exactly, and one whose p is below the
-//! best value × 1e-12 (u ≤ 1 - 1e-12) is out without hashing.
+//! What makes it cheap: top-k by selection (O(V)) of the k-th largest logit and one pass for
+//! the tokens not below it, not a sort of the vocabulary; top-p by sorting growing prefixes found
+//! by selection (16 candidates first after top-k, 64 tokens over the whole vocabulary), so a
+//! peaked row sorts tens of tokens; exponentials in a loop the compiler vectorizes
+//! (`exp_nonpositive`); and the race never takes the logarithm of a token that cannot win: since
+//! -ln(u) ≥ 1 - u, a token whose p / (1 - u) is below the best race value so far is out, exactly,
+//! and one whose p is below the best value × 1e-12 (u ≤ 1 - 1e-12) is out without hashing.
 //!
 //! A row with NaN logits returns some token without panicking; the caller fails such a row
 //! (its largest logit is not finite).
@@ -59,13 +61,27 @@ pub fn uniform(seed: i64, position: i64, token: i64) -> f64 {
     u.clamp(U_MIN, 1.0 - U_MIN)
 }
 
-/// A sort key of token `id` with scaled logit `x`: ascending keys are descending logits (in
-/// `total_cmp`'s order, NaN first), ties by ascending id; plain integer compares, no lookups.
+/// An order key of scaled logit `x`: ascending ranks are descending logits (in `total_cmp`'s
+/// order, NaN first); plain integer compares.
 #[inline]
-fn key(x: f32, id: u32) -> u64 {
+fn rank(x: f32) -> u32 {
     let b = x.to_bits();
     let ascending = if b >> 31 == 1 { !b } else { b | 0x8000_0000 };
-    (u64::from(!ascending) << 32) | u64::from(id)
+    !ascending
+}
+
+/// The logit of a `rank`.
+#[inline]
+fn logit_of(rank: u32) -> f32 {
+    let a = !rank;
+    f32::from_bits(if a >> 31 == 1 { a & 0x7fff_ffff } else { !a })
+}
+
+/// A sort key of token (or candidate) `id` with scaled logit `x`: ascending keys are descending
+/// logits, ties by ascending id.
+#[inline]
+fn key(x: f32, id: u32) -> u64 {
+    (u64::from(rank(x)) << 32) | u64::from(id)
 }
 
 /// The token id of a `key`.
@@ -74,20 +90,65 @@ fn id_of(key: u64) -> u32 {
     key as u32
 }
 
+/// The lowest argument of `exp_shifted`: below it e^x is under the smallest normal float and
+/// counts as 0.
+const EXP_MIN: f32 = -87.336_55;
+
+/// e^x for x ≤ 0 in float32, within about 2 ulp of the correctly rounded value: x = n ln 2 + r
+/// with |r| ≤ ln 2 / 2, a degree-7 polynomial for e^r (Cephes' coefficients), times 2^n built in
+/// the exponent bits. 0 below `EXP_MIN`, NaN for NaN; x > 0 is not an input (it gives 1). No
+/// calls and no branches, so a loop of it vectorizes (libm's `expf`, a call per element, was a
+/// third of a row's time).
+#[inline(always)]
+fn exp_nonpositive(x: f32) -> f32 {
+    const ROUND: f32 = 12_582_912.0; // 1.5 × 2^23: adding it rounds to an integer in the low bits
+    const LN2_HI: f32 = 0.693_359_4; // ln 2 in two parts, n × LN2_HI exact for |n| ≤ 127
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    let xc = x.clamp(EXP_MIN, 0.0); // NaN stays NaN
+    let t = xc * std::f32::consts::LOG2_E + ROUND;
+    let n = t - ROUND;
+    let r = (xc - n * LN2_HI) - n * LN2_LO;
+    let q = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r + 1.666_666_5e-1)
+        * r
+        + 0.5;
+    let er = q * (r * r) + r + 1.0;
+    // t's bits are ROUND's plus n; 2^n for n in [-126, 0] has exponent bits n + 127
+    let n_bits = t.to_bits().wrapping_sub(ROUND.to_bits());
+    let scale = f32::from_bits(n_bits.wrapping_add(127) << 23);
+    if x < EXP_MIN {
+        0.0
+    } else {
+        er * scale
+    }
+}
+
+/// `out[i] = e^(xs[i] - shift)`, with `shift` at least every `xs[i]` (or NaN rows).
+fn exp_shifted(out: &mut Vec<f32>, xs: &[f32], shift: f32) {
+    out.clear();
+    out.resize(xs.len(), 0.0);
+    for (o, &x) in out.iter_mut().zip(xs) {
+        *o = exp_nonpositive(x - shift);
+    }
+}
+
 /// Reusable buffers: sampling many rows allocates once.
 #[derive(Debug, Default, Clone)]
 pub struct RowSampler {
     /// The row's scaled logits.
     lg: Vec<f32>,
-    /// The survivors' token ids, by descending logit (filtered rows only).
+    /// The survivors' token ids: after top-k in id order, once sorted by descending logit.
     cand: Vec<u32>,
-    /// Selection buffer: every token's `key`.
+    /// Selection buffer of sort keys: every token's (top-p alone) or every candidate's.
     keys: Vec<u64>,
+    /// Top-k's selection buffer: every token's `rank`.
+    ranks: Vec<u32>,
     /// Unnormalized probabilities exp(x - max): by token for the race over the whole vocabulary;
     /// by candidate, aligned with `cand`, once a filter has chosen the candidates.
     weights: Vec<f32>,
-    /// Top-p alone: the weights by token while `weights` takes them by candidate.
-    by_token: Vec<f32>,
+    /// Scratch: the candidates' logits; top-p alone, the weights by token.
+    scratch: Vec<f32>,
+    /// Scratch for the kept candidates' ids while `cand` is reordered.
+    kept: Vec<u32>,
 }
 
 impl RowSampler {
@@ -107,10 +168,9 @@ impl RowSampler {
         match top_k {
             Some(k) => {
                 self.top_k(k);
+                self.candidate_weights();
                 if top_p {
                     self.cut_top_p(p.top_p);
-                } else {
-                    self.candidate_weights();
                 }
             }
             None => self.top_p_prefix(p.top_p),
@@ -118,36 +178,22 @@ impl RowSampler {
         self.race_candidates(p)
     }
 
-    /// Every token's sort key, in `keys`.
-    fn fill_keys(&mut self) {
-        self.keys.clear();
-        self.keys.extend(self.lg.iter().enumerate().map(|(i, &x)| key(x, i as u32)));
-    }
-
-    /// The first `m` keys (`m` ≤ the vocabulary) sorted into `cand` as token ids: the `m` largest
-    /// logits by descending logit.
-    fn sorted_prefix(&mut self, m: usize) {
-        if m < self.keys.len() {
-            self.keys.select_nth_unstable(m - 1);
-        }
-        self.keys[..m].sort_unstable();
-        self.cand.clear();
-        self.cand.extend(self.keys[..m].iter().map(|&k| id_of(k)));
-    }
-
-    /// Candidates: every token at least the k-th largest, sorted.
+    /// Candidates: every token not below the k-th largest scaled logit, in id order. Ties with
+    /// the k-th are kept, and so is NaN (the Python sampler masks `lg < kth` only). The k-th is
+    /// found by selection over 32-bit ranks; nothing is sorted.
     fn top_k(&mut self, k: usize) {
-        self.fill_keys();
-        self.sorted_prefix(k);
-        // ties with the k-th are kept, and so is NaN (the Python sampler masks `lg < kth` only)
-        let kth = self.lg[self.cand[k - 1] as usize];
-        let below = |x: f32| x.partial_cmp(&kth) == Some(Ordering::Less);
-        let tied = self.keys[k..].iter().copied().filter(|&c| !below(self.lg[id_of(c) as usize]));
-        let mut tied: Vec<u32> = tied.map(id_of).collect();
-        if !tied.is_empty() {
-            tied.sort_unstable_by_key(|&t| key(self.lg[t as usize], t));
-            self.cand.extend(tied);
+        self.ranks.clear();
+        self.ranks.extend(self.lg.iter().map(|&x| rank(x)));
+        let kth = logit_of(*self.ranks.select_nth_unstable(k - 1).1);
+        // branch-free: write every id, advance past the kept ones
+        self.cand.clear();
+        self.cand.resize(self.lg.len(), 0);
+        let mut n = 0;
+        for (i, &x) in self.lg.iter().enumerate() {
+            self.cand[n] = i as u32;
+            n += usize::from(x.partial_cmp(&kth) != Some(Ordering::Less));
         }
+        self.cand.truncate(n);
     }
 
     /// Candidates without top-k: top-p over the whole vocabulary's softmax, on sorted prefixes
@@ -156,66 +202,79 @@ impl RowSampler {
     fn top_p_prefix(&mut self, top_p: f32) {
         let vocab = self.lg.len();
         let max = self.lg.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        self.weights.clear();
-        self.weights.extend(self.lg.iter().map(|&x| (x - max).exp())); // each exp once
-        let sum = self.weights.iter().map(|&w| w as f64).sum::<f64>() as f32;
-        self.fill_keys();
-        let mut m = 64.min(vocab);
-        loop {
-            self.sorted_prefix(m);
-            let w = &self.weights;
-            let keep = keep_top_p(self.cand.iter().map(|&c| w[c as usize] / sum), top_p);
-            if let Some(keep) = keep {
-                self.cand.truncate(keep);
-                break;
-            }
-            if m == vocab {
-                break;
-            }
-            m = (m * 4).min(vocab);
-        }
+        exp_shifted(&mut self.scratch, &self.lg, max); // each exp once, by token
+        let sum = self.scratch.iter().map(|&w| w as f64).sum::<f64>() as f32;
+        self.keys.clear();
+        self.keys.extend(self.lg.iter().enumerate().map(|(i, &x)| key(x, i as u32)));
+        let keep = cut_sorted_prefixes(&mut self.keys, &self.scratch, sum, top_p, 64.min(vocab));
+        self.cand.clear();
+        self.cand.extend(self.keys[..keep].iter().map(|&k| id_of(k)));
         // by candidate now, relative to the first candidate's logit: the same values unless
         // that is not `max` (a NaN row), when they are computed again
         let first = self.cand.first().map_or(max, |&c| self.lg[c as usize]);
         if first.to_bits() == max.to_bits() {
-            std::mem::swap(&mut self.weights, &mut self.by_token); // both buffers kept for the next row
             self.weights.clear();
-            self.weights.extend(self.cand.iter().map(|&c| self.by_token[c as usize]));
+            self.weights.extend(self.cand.iter().map(|&c| self.scratch[c as usize]));
         } else {
             self.candidate_weights();
         }
     }
 
-    /// The candidates' weights, exp(x - the first's x), in `weights`.
+    /// The candidates' weights, exp(x - the largest x), in `weights`.
     fn candidate_weights(&mut self) {
         let lg = &self.lg;
-        let max = self.cand.first().map_or(0.0, |&c| lg[c as usize]);
-        self.weights.clear();
-        self.weights.extend(self.cand.iter().map(|&c| (lg[c as usize] - max).exp()));
+        self.scratch.clear();
+        self.scratch.extend(self.cand.iter().map(|&c| lg[c as usize]));
+        let max = self.scratch.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        exp_shifted(&mut self.weights, &self.scratch, max);
     }
 
-    /// Top-p after top-k: the mass is the softmax over the candidates. Leaves the candidates'
-    /// weights in `weights`.
+    /// Top-p after top-k: the mass is the softmax over the candidates, whose weights are in
+    /// `weights`. Walks the candidates by descending logit (ties by id) until the mass before one
+    /// exceeds p: the first 16 by repeated minimum (a peaked row stops after a few), the rest by
+    /// sorting growing prefixes. Leaves the kept candidates and their weights in that order.
     fn cut_top_p(&mut self, top_p: f32) {
-        self.candidate_weights();
+        const WALK: usize = 16;
+        let n = self.cand.len();
         let sum = self.weights.iter().map(|&w| w as f64).sum::<f64>() as f32;
-        if let Some(keep) = keep_top_p(self.weights.iter().map(|&w| w / sum), top_p) {
-            self.cand.truncate(keep);
-            self.weights.truncate(keep);
+        let lg = &self.lg;
+        self.keys.clear();
+        self.keys.extend(self.cand.iter().enumerate().map(|(j, &c)| key(lg[c as usize], j as u32)));
+        let mut keep = None;
+        let mut acc = 0f64;
+        for j in 0..n.min(WALK) {
+            let (at, _) = self.keys[j..].iter().enumerate().min_by_key(|&(_, &k)| k).expect("j < n");
+            self.keys.swap(j, j + at);
+            let q = self.weights[id_of(self.keys[j]) as usize] / sum;
+            acc += q as f64;
+            if (acc as f32) - q > top_p {
+                keep = Some(j.max(1));
+                break;
+            }
         }
+        let keep = match keep {
+            Some(keep) => keep,
+            None if n <= WALK => n,
+            None => cut_sorted_prefixes(&mut self.keys, &self.weights, sum, top_p, (WALK * 4).min(n)),
+        };
+        let order = &self.keys[..keep];
+        self.kept.clear();
+        self.kept.extend(order.iter().map(|&k| self.cand[id_of(k) as usize]));
+        std::mem::swap(&mut self.cand, &mut self.kept);
+        self.scratch.clear();
+        self.scratch.extend(order.iter().map(|&k| self.weights[id_of(k) as usize]));
+        std::mem::swap(&mut self.weights, &mut self.scratch);
     }
 
-    /// The race over the sorted candidates, whose weights are in `weights`.
+    /// The race over the candidates, whose weights are in `weights`.
     fn race_candidates(&self, p: &RowParams) -> u32 {
         race(&self.weights, |i| self.cand[i], p).unwrap_or(self.cand[0])
     }
 
     /// The race over the whole vocabulary (no top-k or top-p).
     fn race_all(&mut self, p: &RowParams) -> u32 {
-        let lg = &self.lg;
-        let max = lg.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        self.weights.clear();
-        self.weights.extend(lg.iter().map(|&x| (x - max).exp()));
+        let max = self.lg.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        exp_shifted(&mut self.weights, &self.lg, max);
         race(&self.weights, |t| t as u32, p).unwrap_or(0)
     }
 }
@@ -231,6 +290,24 @@ fn race(weights: &[f32], id: impl Fn(usize) -> u32, p: &RowParams) -> Option<u32
         race.offer(id(i), if q < floor { 0.0 } else { q }, p);
     }
     race.winner
+}
+
+/// Top-p over sort keys whose ids index `w` (weights, summing to `sum`): sorts growing prefixes
+/// of `keys` (selected, then sorted; `first` keys, then 4× as many) until the cut falls inside
+/// one. Returns how many keys top-p keeps; `keys[..kept]` are then in order.
+fn cut_sorted_prefixes(keys: &mut [u64], w: &[f32], sum: f32, top_p: f32, first: usize) -> usize {
+    let mut m = first;
+    loop {
+        if m < keys.len() {
+            keys.select_nth_unstable(m - 1);
+        }
+        keys[..m].sort_unstable();
+        let keep = keep_top_p(keys[..m].iter().map(|&k| w[id_of(k) as usize] / sum), top_p);
+        if keep.is_some() || m == keys.len() {
+            return keep.unwrap_or(m);
+        }
+        m = (m * 4).min(keys.len());
+    }
 }
 
 /// How many of the probabilities `q` (by descending logit) top-p keeps: up to the first whose
@@ -337,6 +414,37 @@ mod tests {
                 let p = params(seed);
                 assert_eq!(s.sample(&lg, &p), naive(&lg, &p), "seed {seed} scale {scale}");
             }
+        }
+    }
+
+    #[test]
+    fn exp_is_within_two_ulp_of_libm() {
+        // every 1/4096 over the float range it covers, and the edges
+        let mut worst = 0f64;
+        for i in 0..=(88 * 4096) {
+            let x = -(i as f32) / 4096.0;
+            let (got, want) = (exp_nonpositive(x) as f64, (x as f64).exp());
+            if x >= EXP_MIN {
+                worst = worst.max((got - want).abs() / want);
+            } else {
+                assert_eq!(got, 0.0, "{x}");
+            }
+        }
+        assert!(worst < 2.0 * f32::EPSILON as f64, "relative error {worst:e}");
+        assert_eq!(exp_nonpositive(0.0), 1.0);
+        assert_eq!(exp_nonpositive(f32::NEG_INFINITY), 0.0);
+        assert!(exp_nonpositive(f32::NAN).is_nan());
+        assert!(exp_nonpositive(EXP_MIN) > 0.0);
+    }
+
+    #[test]
+    fn ranks_round_trip_and_order_like_keys() {
+        let xs = [f32::NAN, f32::INFINITY, 2.0, 1e-30, 0.0, -0.0, -1.5, f32::NEG_INFINITY];
+        for w in xs.windows(2) {
+            assert!(rank(w[0]) < rank(w[1]), "{} {}", w[0], w[1]);
+        }
+        for x in xs {
+            assert_eq!(logit_of(rank(x)).to_bits(), x.to_bits());
         }
     }
 

@@ -62,7 +62,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def build_parts(args: EngineArgs) -> EngineParts:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    path = resolve_model_path(args.model)
+    path = resolve_model_path(args.model, weights=args.load_format != "dummy")
     n = args.tensor_parallel_size
     if n > 1 and device.type != "cpu":
         raise InvalidRequestError(

@@ -50,18 +50,19 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.jinja"]
 
 
-def resolve_model_path(model: str | Path) -> Path:
+def resolve_model_path(model: str | Path, weights: bool = True) -> Path:
     """The file or folder a model name stands for (``"smollm2"`` is the embedded default; an
-    ``org/name`` that is no existing path is a Hugging Face Hub id)."""
+    ``org/name`` that is no existing path is a Hugging Face Hub id, fetched without its weights
+    when ``weights`` is false: ``load_format="dummy"`` reads only its config and tokenizer)."""
     if str(model) == DEFAULT_MODEL:
         return default_model_path()
     path = Path(model)
     if path.exists() or not HUB_ID.fullmatch(str(model)):
         return path
-    return hub_snapshot(str(model))
+    return hub_snapshot(str(model), weights)
 
 
-def hub_snapshot(repo_id: str) -> Path:
+def hub_snapshot(repo_id: str, weights: bool = True) -> Path:
     """The local snapshot of a Hub repository (config, tokenizer, safetensors and generation
     config files): from the hub cache, else downloaded into it. ``HF_HUB_CACHE`` / ``HF_HOME`` and
     ``HF_HUB_OFFLINE`` are read here, at the call, not when ``huggingface_hub`` was imported."""
@@ -71,9 +72,10 @@ def hub_snapshot(repo_id: str) -> Path:
         os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else None
     )
     offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    patterns = HUB_FILES if weights else [p for p in HUB_FILES if p != "*.safetensors"]
     try:
         folder = snapshot_download(
-            repo_id, allow_patterns=HUB_FILES, cache_dir=cache, local_files_only=offline
+            repo_id, allow_patterns=patterns, cache_dir=cache, local_files_only=offline
         )
     except Exception as e:  # not cached and not downloadable: offline, no network, no such repo
         how = "HF_HUB_OFFLINE is set" if offline else "downloading it failed"
@@ -96,7 +98,7 @@ def load_model(
     an HF folder's config.json, whose weights are never read (they need not be there)."""
     from ferryman.gguf_loader import load_gguf
 
-    path = resolve_model_path(model)
+    path = resolve_model_path(model, weights=load_format != "dummy")
     if load_format == "dummy":
         if tp is not None and tp.world > 1:
             raise ModelLoadError("load_format='dummy' runs on one rank")

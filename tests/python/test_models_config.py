@@ -341,6 +341,32 @@ def test_dummy_load_format_serves_random_weights_of_the_configs_shape(tmp_path: 
     assert outs[0] == outs[1] and all(len(t) == 8 for t in outs[0])  # seeded: the same weights each time
 
 
+def test_dummy_load_format_fetches_no_weights_from_the_hub(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Hub id with ``load_format="dummy"`` asks huggingface_hub for the config and tokenizer
+    only (a download of the weights would be gigabytes for nothing); ``auto`` asks for them."""
+    import huggingface_hub
+
+    folder = build("llama", tmp_path / "src", tokenizer=True)
+    bare = tmp_path / "bare"
+    shutil.copytree(folder, bare, ignore=shutil.ignore_patterns("*.safetensors"))
+    asked: list[list[str]] = []
+
+    def snapshot_download(repo_id: str, allow_patterns: list[str], **kwargs: object) -> str:
+        asked.append(allow_patterns)  # where the network would be: it hands back the files asked
+        return str(bare if "*.safetensors" not in allow_patterns else folder)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.chdir(tmp_path)  # no relative path tiny-org/... exists here
+    sp = dataclasses.replace(GREEDY, ignore_eos=True)
+    out = Engine("tiny-org/tiny-llama", load_format="dummy", calibrate=False).generate([[5, 6, 7]], sp)
+    assert len(out[0].outputs[0].token_ids) == 8
+    assert asked and all("*.safetensors" not in a and "*.json" in a for a in asked)
+    Engine("tiny-org/tiny-llama", num_device_blocks=32, calibrate=False)
+    assert "*.safetensors" in asked[-1]
+
+
 def test_dummy_load_format_needs_a_config_and_one_rank(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match=r"config\.json"):
         load_model(tmp_path, torch.float32, CPU, load_format="dummy")

@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -27,6 +28,7 @@ from ferryman.models.config import ModelConfig
 from ferryman.models.llama import LlamaForCausalLM
 from ferryman.models.tensor_parallel import TensorParallel, shard_of
 from ferryman.sampling_params import SamplingParams
+from ferryman.worker.tp_workers import free_port, init_rank
 
 TOKENS = [3, 17, 42, 5, 88, 61, 7, 29, 30, 2, 55, 90]
 
@@ -187,3 +189,32 @@ def test_an_idle_engine_stays_alive_past_the_collective_timeout(
         assert eng.generate([PROMPTS[0]], sp)[0].outputs[0].token_ids == first
     finally:
         eng.runner.shutdown()
+
+
+def _late_rank(spec: Any, delay_s: float) -> None:
+    time.sleep(delay_s)  # starts after the collectives' timeout has long passed
+    init_rank(spec, 1)
+    try:
+        x = torch.ones(3)
+        dist.all_reduce(x)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_that_arrives_after_the_collective_timeout_still_joins() -> None:
+    """The rendezvous waits for a slow rank (a loaded machine importing torch) longer than the
+    forward's collectives wait for each other (it used the same 2 s in the test above, which
+    failed when the spawned worker was late)."""
+    spec = SimpleNamespace(init_method=f"tcp://127.0.0.1:{free_port()}", world=2, timeout_s=1.0)
+    late = mp.get_context("spawn").Process(target=_late_rank, args=(spec, 3.0))
+    late.start()
+    try:
+        init_rank(spec, 0)  # type: ignore[arg-type]
+        x = torch.full((3,), 2.0)
+        dist.all_reduce(x)
+        assert x.tolist() == [3.0, 3.0, 3.0]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        late.join(timeout=30)
+    assert late.exitcode == 0

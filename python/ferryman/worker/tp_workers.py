@@ -89,6 +89,9 @@ class RankSpec:
     timeout_s: float = 60.0  # the forward's collectives (FERRYMAN_TEST_TP_TIMEOUT_S in tests)
 
 
+RENDEZVOUS_TIMEOUT_S = 300.0  # how long ranks wait for each other to start
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -117,13 +120,19 @@ def build_runner(spec: RankSpec, rank: int, model: Any = None) -> ModelRunner:
 
 def init_rank(spec: RankSpec, rank: int) -> Any:
     """Joins the group (the forward's collectives time out after ``spec.timeout_s``) and returns
-    the plans' group, whose broadcasts wait as long as the engine idles."""
+    the plans' group, whose broadcasts wait as long as the engine idles. The rendezvous waits up
+    to ``RENDEZVOUS_TIMEOUT_S`` for every rank to arrive, whatever ``spec.timeout_s`` is: a rank
+    starting on a loaded machine (importing torch, loading its slice) is late, not dead."""
+    host, port = spec.init_method.removeprefix("tcp://").rsplit(":", 1)
+    store = dist.TCPStore(  # type: ignore[attr-defined]  # re-exported by torch.distributed
+        host,
+        int(port),
+        spec.world,
+        is_master=rank == 0,
+        timeout=timedelta(seconds=max(RENDEZVOUS_TIMEOUT_S, spec.timeout_s)),
+    )
     dist.init_process_group(
-        "gloo",
-        init_method=spec.init_method,
-        rank=rank,
-        world_size=spec.world,
-        timeout=timedelta(seconds=spec.timeout_s),
+        "gloo", store=store, rank=rank, world_size=spec.world, timeout=timedelta(seconds=spec.timeout_s)
     )
     return dist.new_group(list(range(spec.world)), timeout=timedelta(days=365))
 

@@ -205,7 +205,7 @@ impl StepOutputs {
 
     /// Sets row `i`, whose new text (if any) is already at the end of `text`; rows are set in
     /// order (`text_offsets[i + 1]` is the end of the text so far).
-    #[inline]
+    #[inline(always)]
     pub fn set_row(
         &mut self,
         i: usize,

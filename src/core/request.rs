@@ -51,19 +51,39 @@ impl FinishReason {
     }
 }
 
-/// Stop conditions checked in Rust after every sampled token (48 bytes: boxed slices, not
-/// vectors, so it shares a cache line with what the policies read of a `Request`).
+/// Stop conditions checked in Rust after every sampled token (24 bytes: a boxed slice, not a
+/// vector, so it shares a cache line with what the policies read of a `Request`).
 #[derive(Debug, Clone, Default, PartialEq)]
 #[repr(C)]
 pub struct StopParams {
     /// Output tokens at most.
     pub max_tokens: usize,
-    /// Finish with "stop" on any of these (the model's EOS ids) unless `ignore_eos`.
-    pub eos_token_ids: Box<[u32]>,
-    /// Finish with "stop" on any of these.
-    pub stop_token_ids: Box<[u32]>,
-    /// Do not stop on `eos_token_ids`.
-    pub ignore_eos: bool,
+    /// Finish with "stop" on any of these: the model's EOS ids (unless `ignore_eos`) and the
+    /// request's stop token ids, in one list so that a token is checked in one pass.
+    pub stop_ids: Box<[u32]>,
+}
+
+impl StopParams {
+    /// The stop conditions `p` asks for.
+    pub fn of(p: &RequestParams) -> Self {
+        let eos = if p.ignore_eos { &[][..] } else { &p.eos_token_ids[..] };
+        let mut ids: Vec<u32> = eos.iter().chain(&p.stop_token_ids).copied().collect();
+        ids.sort_unstable();
+        ids.dedup();
+        Self { max_tokens: p.max_tokens, stop_ids: ids.into_boxed_slice() }
+    }
+
+    /// Whether `token` is one of `stop_ids`. A plain loop: the lists are a few ids or none, where
+    /// `contains`' wide search costs more than it saves.
+    #[inline(always)]
+    pub fn stops_on(&self, token: u32) -> bool {
+        for &t in &*self.stop_ids {
+            if t == token {
+                return true;
+            }
+        }
+        false
+    }
 }
 
 /// Detokenization of a request's output (needs the scheduler's tokenizer; special tokens add
@@ -196,12 +216,7 @@ impl Request {
             token_ids,
             num_prompt_tokens,
             num_computed_tokens: 0,
-            stop: StopParams {
-                max_tokens: p.max_tokens,
-                eos_token_ids: p.eos_token_ids.into_boxed_slice(),
-                stop_token_ids: p.stop_token_ids.into_boxed_slice(),
-                ignore_eos: p.ignore_eos,
-            },
+            stop: StopParams::of(&p),
             num_pending_forks: p.n,
             skip_reading_prefix_cache: p.skip_reading_prefix_cache,
             text: None,    // the scheduler attaches it: it holds the tokenizer
@@ -242,13 +257,12 @@ impl Request {
     }
 
     /// Appends a sampled token and says whether (and why) the request is now finished.
-    #[inline]
+    #[inline(always)]
     pub fn append_token(&mut self, token: u32, max_model_len: usize) -> Option<FinishReason> {
         self.token_ids.push(token as i32);
-        let s = &self.stop;
-        if (!s.ignore_eos && s.eos_token_ids.contains(&token)) || s.stop_token_ids.contains(&token) {
+        if self.stop.stops_on(token) {
             Some(FinishReason::Stop)
-        } else if self.num_output_tokens() >= s.max_tokens || self.num_tokens() >= max_model_len {
+        } else if self.token_ids.len() >= self.max_len().min(max_model_len) {
             Some(FinishReason::Length)
         } else {
             None
@@ -269,12 +283,7 @@ mod tests {
             token_ids: vec![5, 6, 7],
             num_prompt_tokens: 3,
             num_computed_tokens: 0,
-            stop: StopParams {
-                max_tokens,
-                eos_token_ids: Box::new([2]),
-                stop_token_ids: Box::new([9]),
-                ignore_eos: false,
-            },
+            stop: StopParams { max_tokens, stop_ids: Box::new([2, 9]) },
             num_pending_forks: 1,
             skip_reading_prefix_cache: false,
             status: RequestStatus::Running,
@@ -313,8 +322,22 @@ mod tests {
         assert_eq!(r.append_token(4, 100), None);
         assert_eq!(r.append_token(4, 100), Some(FinishReason::Length));
         assert_eq!(req(10).append_token(4, 4), Some(FinishReason::Length));
+        let p = RequestParams {
+            max_tokens: 4,
+            eos_token_ids: vec![2, 7],
+            stop_token_ids: vec![9, 2],
+            ..Default::default()
+        };
+        assert_eq!(&*StopParams::of(&p).stop_ids, &[2, 7, 9]);
+        let ignoring = StopParams::of(&RequestParams { ignore_eos: true, ..p });
+        assert_eq!(&*ignoring.stop_ids, &[2, 9], "a stop token id stops even when it is an ignored EOS");
         let mut r = req(4);
-        r.stop.ignore_eos = true;
+        r.stop = StopParams::of(&RequestParams {
+            max_tokens: 4,
+            eos_token_ids: vec![2],
+            ignore_eos: true,
+            ..Default::default()
+        });
         assert_eq!(r.append_token(2, 100), None);
     }
 }

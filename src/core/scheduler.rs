@@ -24,6 +24,7 @@ mod step;
 
 use crate::arena::{ReqIdx, RequestArena};
 use crate::batch::Batch;
+use crate::block_pool::NULL_BLOCK;
 use crate::config::SchedulerConfig;
 use crate::error::{CoreError, CoreResult};
 use crate::grammar::GrammarCompiler;
@@ -41,7 +42,29 @@ use step::PendingStep;
 struct Scheduled {
     req_idx: ReqIdx,
     num_new: usize,
-    cow: Option<BlockCopy>,
+    /// A one-token row's input, read while the request is at hand in the planning pass (so the
+    /// layout pass does not wait on the token's cache line); -1 when it is still in flight, and
+    /// unused for longer rows.
+    input: i32,
+    /// Its copy-on-write as [src, dst], or `NO_COPY`: a plain pair, not an `Option`, so the hot
+    /// path stores it whole (storing an enum's tag alone and then copying tag and payload as
+    /// one word stalled every decode row on a store that cannot be forwarded).
+    cow: [u32; 2],
+}
+
+/// `Scheduled::cow` of a request that copies nothing (no table holds the null block).
+const NO_COPY: [u32; 2] = [NULL_BLOCK, NULL_BLOCK];
+
+impl Scheduled {
+    fn new(req_idx: ReqIdx, num_new: usize, cow: Option<BlockCopy>, r: &Request) -> Self {
+        let input = if num_new == 1 { r.token_ids.get(r.num_computed_tokens).copied().unwrap_or(-1) } else { -1 };
+        Self { req_idx, num_new, input, cow: cow.map_or(NO_COPY, |(src, dst)| [src, dst]) }
+    }
+
+    /// The copy-on-write this request runs before the forward, if any.
+    fn copy(&self) -> Option<BlockCopy> {
+        (self.cow != NO_COPY).then_some((self.cow[0], self.cow[1]))
+    }
 }
 
 /// What one `schedule()` decided, before it becomes arrays: the token budget left, the requests
@@ -75,6 +98,9 @@ pub struct Scheduler {
     tokenizer: Option<Tokenizer>,
     /// Compiles requests' grammars against `tokenizer`; built on the first that asks.
     grammars: Option<Arc<GrammarCompiler>>,
+    /// Buffers reused step after step: `build_output`'s row records, and the last updated step.
+    row_scratch: Vec<step::RowOut>,
+    spare_pending: Option<PendingStep>,
 }
 
 fn bad_grammar(req_id: u64, e: String) -> CoreError {
@@ -103,6 +129,8 @@ impl Scheduler {
             last_step: StepStats::default(),
             tokenizer: None,
             grammars: None,
+            row_scratch: Vec::new(),
+            spare_pending: None,
         })
     }
 

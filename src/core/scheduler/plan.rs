@@ -81,7 +81,7 @@ impl Scheduler {
             };
             loop {
                 if let Some(cow) = self.kv.allocate_slots(idx, num_computed, num_new) {
-                    plan.scheduled.push(Scheduled { req_idx: idx, num_new, cow });
+                    plan.scheduled.push(Scheduled::new(idx, num_new, cow, self.reqs.get(idx)));
                     plan.budget -= num_new;
                     i += 1;
                     break;
@@ -132,7 +132,7 @@ impl Scheduler {
             let cow = self.kv.allocate_slots(idx, num_computed, num_new).expect("counted above");
             debug_assert!(cow.is_none());
             self.make_running(idx);
-            plan.scheduled.push(Scheduled { req_idx: idx, num_new, cow });
+            plan.scheduled.push(Scheduled::new(idx, num_new, cow, self.reqs.get(idx)));
             plan.budget -= num_new;
         }
     }
@@ -188,7 +188,7 @@ impl Scheduler {
                 self.counters.prefix_cache_hits += (hit * bs) as u64;
             }
             self.make_running(idx);
-            plan.scheduled.push(Scheduled { req_idx: idx, num_new, cow: None });
+            plan.scheduled.push(Scheduled::new(idx, num_new, None, self.reqs.get(idx)));
             plan.budget -= num_new;
         }
     }

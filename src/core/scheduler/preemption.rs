@@ -119,7 +119,7 @@ impl Scheduler {
         if let Some(pos) = plan.scheduled.iter().position(|s| s.req_idx == idx) {
             let s = plan.scheduled.remove(pos);
             plan.budget += s.num_new;
-            dropped_cow = s.cow;
+            dropped_cow = s.copy();
         }
         let cost = self.restore_cost(idx);
         let r = self.reqs.get(idx);

@@ -31,11 +31,11 @@
 //! table, else a block now and then): the runner keeps each row's table (`batch.rs`) and derives
 //! positions, slots and page lists from it.
 
-use super::{Scheduler, StepPlan};
+use super::{Scheduler, StepPlan, NO_COPY};
 use crate::arena::ReqIdx;
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache_manager::blocks_for;
-use crate::outputs::{zeroed, SchedulerOutput, StepOutputs, StepStats};
+use crate::outputs::{SchedulerOutput, StepOutputs, StepStats};
 use crate::request::{FinishReason, Request, RequestStatus};
 use crate::text::Push;
 
@@ -45,14 +45,32 @@ struct Sample {
     req_idx: ReqIdx,
     req_id: u64,
     seq_index: u32,
+    /// Its token row in the step (`logits_indices`).
+    logits_index: u32,
 }
 
-/// A step awaiting `update()`.
-#[derive(Debug, Clone)]
+/// One scheduled row's entries of the per-row output arrays, gathered in `build_output`'s pass
+/// over the requests.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct RowOut {
+    req_id: i64,
+    row: i32,
+    seq_index: i32,
+    seq_len: i32,
+    /// Ends of the row's tokens and pages in the step (`qo_indptr[i + 1]`, `kv_indptr[i + 1]`).
+    qo_end: i32,
+    kv_end: i32,
+    last_page_len: i32,
+}
+
+/// A step awaiting `update()`; once updated its buffers serve the next step's.
+#[derive(Debug, Clone, Default)]
 pub(super) struct PendingStep {
     /// Its number (`StepStats::step`).
     step: u64,
-    /// Each scheduled request and the end of the positions it computes.
+    /// Scheduled requests whose step may complete a block to cache, and the end of the
+    /// positions each computes (every scheduled request when its step ends a block past those
+    /// it has cached; prefix caching only).
     computed: Vec<(ReqIdx, usize)>,
     samples: Vec<Sample>,
 }
@@ -70,31 +88,20 @@ impl Scheduler {
     pub(super) fn build_output(&mut self, plan: StepPlan) -> SchedulerOutput {
         let bs = self.cfg.block_size;
         let shift = bs.trailing_zeros(); // a position's block
-        let b = plan.scheduled.len();
         let t = self.cfg.max_num_batched_tokens - plan.budget;
-        // the per-row arrays are sized once and written by index: a push per row and array
-        // (a length load and store each) was a fifth of the step's instructions
-        let mut o = SchedulerOutput {
-            req_ids: zeroed(b),
-            rows: zeroed(b),
-            seq_indices: zeroed(b),
-            input_ids: Vec::with_capacity(t),
-            qo_indptr: zeroed(b + 1),
-            seq_lens: zeroed(b),
-            kv_indptr: zeroed(b + 1),
-            kv_last_page_len: zeroed(b),
-            logits_indices: Vec::with_capacity(b),
-            sample_req_ids: Vec::with_capacity(b),
-            sample_seq_indices: Vec::with_capacity(b),
-            ..SchedulerOutput::default()
-        };
-        let mut samples = Vec::with_capacity(b);
-        let mut computed = Vec::with_capacity(b);
+        let mut o = SchedulerOutput { input_ids: Vec::with_capacity(t), ..SchedulerOutput::default() };
+        // one pass over the requests fills a row record and the samples; the columns are then
+        // copied out of them in loops of their own (no bounds or capacity check per element)
+        let mut rows = std::mem::take(&mut self.row_scratch);
+        rows.clear();
+        rows.reserve(plan.scheduled.len());
+        let PendingStep { mut computed, mut samples, .. } = self.spare_pending.take().unwrap_or_default();
+        computed.clear();
+        samples.clear();
         let mut num_pages = 0;
         let mut num_prefill_tokens = 0;
-        for (i, s) in plan.scheduled.iter().enumerate() {
+        for s in &plan.scheduled {
             let r = self.reqs.get_mut(s.req_idx);
-            let table = self.kv.table(s.req_idx);
             let (start, end) = (r.num_computed_tokens, r.num_computed_tokens + s.num_new);
             let num_blocks = blocks_for(end, bs);
             let row = match r.row {
@@ -109,8 +116,9 @@ impl Scheduler {
                 }
             };
             // a copy-on-write replaced the entry of the block this step writes first
-            let sent = if s.cow.is_some() { self.batch.sent(row).min(start >> shift) } else { self.batch.sent(row) };
+            let sent = if s.cow != NO_COPY { self.batch.sent(row).min(start >> shift) } else { self.batch.sent(row) };
             if sent < num_blocks {
+                let table = self.kv.table(s.req_idx);
                 for (col, &block) in table.iter().enumerate().take(num_blocks).skip(sent) {
                     o.table_rows.push(row as i32);
                     o.table_cols.push(col as i32);
@@ -118,31 +126,33 @@ impl Scheduler {
                 }
                 self.batch.set_sent(row, num_blocks);
             }
-            o.rows[i] = row as i32;
-            o.req_ids[i] = r.req_id as i64;
-            o.seq_indices[i] = r.seq_index as i32;
             if s.num_new == 1 {
-                match r.token_ids.get(start) {
-                    Some(&t) => o.input_ids.push(t),
-                    None => {
-                        // the token sampled for this position is still in flight
-                        o.inflight_token_indices.push(o.input_ids.len() as i32);
-                        o.inflight_sample_indices.push(r.last_sample as i32);
-                        o.input_ids.push(-1);
-                    }
+                if s.input < 0 {
+                    // the token sampled for this position is still in flight
+                    o.inflight_token_indices.push(o.input_ids.len() as i32);
+                    o.inflight_sample_indices.push(r.last_sample as i32);
                 }
+                o.input_ids.push(s.input);
             } else {
                 o.input_ids.extend_from_slice(&r.token_ids[start..end]);
             }
-            o.qo_indptr[i + 1] = o.input_ids.len() as i32;
-            o.seq_lens[i] = end as i32;
             num_pages += num_blocks;
-            o.kv_indptr[i + 1] = num_pages as i32;
-            o.kv_last_page_len[i] = (end - (num_blocks - 1) * bs) as i32;
-            if let Some((src, dst)) = s.cow {
+            rows.push(RowOut {
+                req_id: r.req_id as i64,
+                row: row as i32,
+                seq_index: r.seq_index as i32,
+                seq_len: end as i32,
+                qo_end: o.input_ids.len() as i32,
+                kv_end: num_pages as i32,
+                last_page_len: (end - (num_blocks - 1) * bs) as i32,
+            });
+            if let Some((src, dst)) = s.copy() {
                 o.blocks_to_copy.push([src as i32, dst as i32]);
             }
-            computed.push((s.req_idx, end));
+            // only a step that completes a block beyond those cached can cache one
+            if self.cfg.enable_prefix_caching && end >> shift > r.num_cached_blocks {
+                computed.push((s.req_idx, end));
+            }
             if end == r.num_tokens_scheduled() {
                 let n = r.num_pending_forks;
                 let first = samples.len() as u32;
@@ -150,8 +160,7 @@ impl Scheduler {
                     debug_assert_eq!(r.num_inflight, 0, "a grammar's mask needs every earlier sample applied");
                     let started = std::time::Instant::now();
                     let words = self.grammars.as_ref().map_or(0, |c| c.mask_words());
-                    let eos = if r.stop.ignore_eos { &[][..] } else { &r.stop.eos_token_ids[..] };
-                    let stops = eos.iter().chain(&r.stop.stop_token_ids).copied();
+                    let stops = r.stop.stop_ids.iter().copied();
                     let at = o.grammar_masks.len();
                     o.grammar_masks.resize(at + words, 0);
                     if g.fill_mask(&mut o.grammar_masks[at..], stops).is_err() {
@@ -167,12 +176,13 @@ impl Scheduler {
                     self.counters.num_grammar_masks += 1;
                     self.counters.grammar_mask_ns += started.elapsed().as_nanos() as u64;
                 }
-                for k in 0..n {
-                    let seq_index = if n > 1 { k } else { r.seq_index };
-                    o.logits_indices.push(o.input_ids.len() as i64 - 1);
-                    o.sample_req_ids.push(r.req_id as i64);
-                    o.sample_seq_indices.push(seq_index as i32);
-                    samples.push(Sample { req_idx: s.req_idx, req_id: r.req_id, seq_index });
+                let logits_index = o.input_ids.len() as u32 - 1;
+                if n == 1 {
+                    samples.push(Sample { req_idx: s.req_idx, req_id: r.req_id, seq_index: r.seq_index, logits_index });
+                } else {
+                    for seq_index in 0..n {
+                        samples.push(Sample { req_idx: s.req_idx, req_id: r.req_id, seq_index, logits_index });
+                    }
                 }
                 r.num_inflight += 1;
                 r.last_sample = first;
@@ -184,6 +194,17 @@ impl Scheduler {
             }
             r.num_computed_tokens = end;
         }
+        o.req_ids = rows.iter().map(|x| x.req_id).collect();
+        o.rows = rows.iter().map(|x| x.row).collect();
+        o.seq_indices = rows.iter().map(|x| x.seq_index).collect();
+        o.qo_indptr = std::iter::once(0).chain(rows.iter().map(|x| x.qo_end)).collect();
+        o.seq_lens = rows.iter().map(|x| x.seq_len).collect();
+        o.kv_indptr = std::iter::once(0).chain(rows.iter().map(|x| x.kv_end)).collect();
+        o.kv_last_page_len = rows.iter().map(|x| x.last_page_len).collect();
+        o.logits_indices = samples.iter().map(|x| i64::from(x.logits_index)).collect();
+        o.sample_req_ids = samples.iter().map(|x| x.req_id as i64).collect();
+        o.sample_seq_indices = samples.iter().map(|x| x.seq_index as i32).collect();
+        self.row_scratch = rows;
         o.rows_removed = self.batch.take_removed();
         o.blocks_to_swap_out = plan.swap_out;
         o.blocks_to_swap_in = plan.swap_in;
@@ -223,13 +244,13 @@ impl Scheduler {
             });
         }
         let pending = self.pending.pop_front().expect("checked above");
-        if self.cfg.enable_prefix_caching {
-            for &(idx, end) in &pending.computed {
-                self.cache_computed(idx, end);
-            }
+        for &(idx, end) in &pending.computed {
+            self.cache_computed(idx, end);
         }
         let n = pending.samples.len();
         let mut out = StepOutputs::with_rows(n);
+        let max_model_len = self.cfg.max_model_len;
+        let mut num_dropped = 0;
         let mut i = 0;
         while i < n {
             let idx = pending.samples[i].req_idx;
@@ -238,22 +259,35 @@ impl Scheduler {
                 while i < n && pending.samples[i].req_idx == idx {
                     let Sample { req_id, seq_index, .. } = pending.samples[i];
                     out.set_row(i, req_id, seq_index, sampled_token_ids[i], None, 0);
+                    num_dropped += 1;
                     i += 1;
                 }
                 continue;
             };
             r.num_inflight -= 1;
+            let token = sampled_token_ids[i] as u32;
             if r.num_pending_forks == 1 {
-                self.append(idx, i, sampled_token_ids[i] as u32, &mut out);
+                // most rows: a token without text or a grammar that does not finish the sequence
+                // settles here (a request has text only if the scheduler has a tokenizer)
+                let finish = r.append_token(token, max_model_len);
+                if finish.is_none() && r.grammar.is_none() && r.text.is_none() {
+                    out.set_row(i, r.req_id, r.seq_index, token as i32, None, r.num_output_tokens());
+                } else {
+                    self.append_rest(idx, i, token, finish, &mut out);
+                }
                 i += 1;
             } else {
                 for target in self.fork(idx) {
-                    self.append(target, i, sampled_token_ids[i] as u32, &mut out);
+                    let token = sampled_token_ids[i] as u32; // each fork its own sample
+                    let finish = self.reqs.get_mut(target).append_token(token, max_model_len);
+                    self.append_rest(target, i, token, finish, &mut out);
                     i += 1;
                 }
             }
         }
+        self.counters.num_generated_tokens += (n - num_dropped) as u64;
         self.reqs.release_deferred(pending.step);
+        self.spare_pending = Some(pending);
         self.counters.scheduler_ns += started.elapsed().as_nanos() as u64;
         Ok(out)
     }
@@ -274,22 +308,9 @@ impl Scheduler {
         }
     }
 
-    /// Appends `token` to request `idx` as row `i` of `out`, with its text; finishes the
-    /// request when a stop condition holds, and then adds its whole output to `out`.
-    #[inline]
-    fn append(&mut self, idx: ReqIdx, i: usize, token: u32, out: &mut StepOutputs) {
-        let r = self.reqs.get_mut(idx);
-        let finish = r.append_token(token, self.cfg.max_model_len);
-        self.counters.num_generated_tokens += 1;
-        if finish.is_none() && r.grammar.is_none() && (r.text.is_none() || self.tokenizer.is_none()) {
-            // a row without text or a grammar that goes on: nothing else to decide
-            out.set_row(i, r.req_id, r.seq_index, token as i32, None, r.num_output_tokens());
-            return;
-        }
-        self.append_rest(idx, i, token, finish, out);
-    }
-
-    /// `append` once the token is in: the grammar, the text and stop strings, finishing.
+    /// A token just appended to request `idx` (`finish`: what its stop conditions said), as row
+    /// `i` of `out`, past the common case: the grammar, the text and stop strings, finishing (and
+    /// then its whole output in `out`).
     #[inline(never)]
     fn append_rest(
         &mut self,

@@ -1,7 +1,7 @@
 //! `Scheduler` for Python: argument checking and conversion around `ferryman_core::Scheduler`.
 
 use ferryman_core::{FinishReason, Scheduler, Tokenizer};
-use numpy::{AllowTypeChange, PyArray1, PyArrayLike1, ToPyArray};
+use numpy::{AllowTypeChange, PyArray1, PyArrayLike1, PyArrayMethods, ToPyArray};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -62,10 +62,16 @@ impl PyScheduler {
     }
 
     /// Applies one sampled token per entry of the last `logits_indices`.
-    fn update(&mut self, sampled_token_ids: PyArrayLike1<'_, i32, AllowTypeChange>) -> PyResult<PyStepOutputs> {
-        let tokens = sampled_token_ids.as_slice()?;
-        let res = self.inner.update(tokens).map_err(to_pyerr)?;
-        Ok(PyStepOutputs::new(res))
+    fn update(&mut self, sampled_token_ids: &Bound<'_, PyAny>) -> PyResult<PyStepOutputs> {
+        // a contiguous int32 array (what the engine passes) is copied out as it is: a few hundred
+        // ids, cheaper than numpy's borrow tracking, which takes a shared lock and a hash map
+        // entry per call; anything else (strided, another dtype, a list) through numpy
+        let contiguous = sampled_token_ids.cast::<PyArray1<i32>>().ok().and_then(|a| a.to_vec().ok());
+        let tokens = match contiguous {
+            Some(tokens) => tokens,
+            None => sampled_token_ids.extract::<PyArrayLike1<'_, i32, AllowTypeChange>>()?.as_array().to_vec(),
+        };
+        Ok(PyStepOutputs::new(self.inner.update(&tokens).map_err(to_pyerr)?))
     }
 
     /// Aborts a request (all its sequences); False if it is not live.

@@ -31,6 +31,7 @@ pub struct PrefixCache {
 /// Hashes of the full blocks of `token_ids` not yet in `hashes`, appended in block order.
 pub fn extend_block_hashes(hashes: &mut Vec<u128>, token_ids: &[i32], block_size: usize, scratch: &mut Vec<u8>) {
     let num_full = token_ids.len() / block_size;
+    hashes.reserve(num_full.saturating_sub(hashes.len()));
     while hashes.len() < num_full {
         let i = hashes.len();
         let parent = if i == 0 { NO_HASH } else { hashes[i - 1] };

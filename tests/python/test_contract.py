@@ -96,6 +96,11 @@ def test_every_output_array_has_its_dtype_and_shape() -> None:
     out = s.schedule()  # the two forks copy-on-write into the shared partial block
     assert out.blocks_to_copy.shape == (1, 2)
     s.update([1, 2, 3])  # a list is accepted too
+    k = len(s.schedule().sample_req_ids)
+    ids = np.zeros(2 * k, dtype=np.int32)
+    ids[1::2] = np.arange(4, 4 + k)
+    res = s.update(ids[1::2])  # and a strided view
+    assert list(res.new_token_ids) == list(range(4, 4 + k))
 
 
 def test_output_arrays_are_wrapped_once_and_outlive_their_output() -> None:

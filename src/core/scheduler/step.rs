@@ -118,12 +118,9 @@ impl Scheduler {
             // a copy-on-write replaced the entry of the block this step writes first
             let sent = if s.cow != NO_COPY { self.batch.sent(row).min(start >> shift) } else { self.batch.sent(row) };
             if sent < num_blocks {
-                let table = self.kv.table(s.req_idx);
-                for (col, &block) in table.iter().enumerate().take(num_blocks).skip(sent) {
-                    o.table_rows.push(row as i32);
-                    o.table_cols.push(col as i32);
-                    o.table_blocks.push(block);
-                }
+                o.table_rows.resize(o.table_rows.len() + num_blocks - sent, row as i32);
+                o.table_cols.extend(sent as i32..num_blocks as i32);
+                o.table_blocks.extend_from_slice(&self.kv.table(s.req_idx)[sent..num_blocks]);
                 self.batch.set_sent(row, num_blocks);
             }
             if s.num_new == 1 {

@@ -95,6 +95,8 @@ pub struct PySchedulerOutput {
     logits_indices: Array<i64>,
     sample_req_ids: Array<i64>,
     sample_seq_indices: Array<i32>,
+    sample_rows: Array<i32>,
+    sample_positions: Array<i32>,
     blocks_to_swap_out: Pairs,
     blocks_to_swap_in: Pairs,
     blocks_to_copy: Pairs,
@@ -126,12 +128,25 @@ pub struct PySchedulerOutput {
     num_preemptions: usize,
     #[pyo3(get)]
     schedule_ns: u64,
+    // lengths read without making the arrays (`StepStats` needs only these)
+    #[pyo3(get)]
+    num_scheduled_seqs: usize,
+    #[pyo3(get)]
+    num_blocks_swapped_out: usize,
+    #[pyo3(get)]
+    num_blocks_swapped_in: usize,
+    #[pyo3(get)]
+    num_blocks_copied: usize,
 }
 
 impl PySchedulerOutput {
     pub fn new(o: SchedulerOutput) -> Self {
         let s = o.stats;
         Self {
+            num_scheduled_seqs: o.rows.len(),
+            num_blocks_swapped_out: o.blocks_to_swap_out.len(),
+            num_blocks_swapped_in: o.blocks_to_swap_in.len(),
+            num_blocks_copied: o.blocks_to_copy.len(),
             req_ids: Lazy::Rust(o.req_ids),
             rows: Lazy::Rust(o.rows),
             rows_removed: Lazy::Rust(o.rows_removed),
@@ -152,6 +167,8 @@ impl PySchedulerOutput {
             logits_indices: Lazy::Rust(o.logits_indices),
             sample_req_ids: Lazy::Rust(o.sample_req_ids),
             sample_seq_indices: Lazy::Rust(o.sample_seq_indices),
+            sample_rows: Lazy::Rust(o.sample_rows),
+            sample_positions: Lazy::Rust(o.sample_positions),
             blocks_to_swap_out: Lazy::Rust(o.blocks_to_swap_out),
             blocks_to_swap_in: Lazy::Rust(o.blocks_to_swap_in),
             blocks_to_copy: Lazy::Rust(o.blocks_to_copy),
@@ -178,7 +195,7 @@ impl PySchedulerOutput {
 pymethods_with_array_getters!(PySchedulerOutput;
     arrays: req_ids: i64, seq_indices: i32, input_ids: i32, qo_indptr: i32, seq_lens: i32,
         kv_indptr: i32, kv_last_page_len: i32, logits_indices: i64,
-        sample_req_ids: i64, sample_seq_indices: i32, preempted_req_ids: i64, finished_req_ids: i64, rows: i32,
+        sample_req_ids: i64, sample_seq_indices: i32, sample_rows: i32, sample_positions: i32, preempted_req_ids: i64, finished_req_ids: i64, rows: i32,
         rows_removed: i32, rows_added: i32, added_req_ids: i64, added_seq_indices: i32, table_rows: i32,
         table_cols: i32, table_blocks: i32, inflight_token_indices: i32, inflight_sample_indices: i32,
         grammar_sample_indices: i32, grammar_masks: u32;
@@ -211,12 +228,16 @@ pub struct PyStepOutputs {
     deltas: Lazy<(Vec<u8>, Vec<u32>), PyList>,
     output_texts: Lazy<(Vec<u8>, Vec<u32>), PyList>,
     len: usize,
+    /// Rows whose token was applied (the others were dropped: `num_output_tokens` 0).
+    #[pyo3(get)]
+    num_generated: usize,
 }
 
 impl PyStepOutputs {
     pub fn new(o: StepOutputs) -> Self {
         Self {
             len: o.new_token_ids.len(),
+            num_generated: o.num_generated,
             req_ids: Lazy::Rust(o.req_ids),
             seq_indices: Lazy::Rust(o.seq_indices),
             new_token_ids: Lazy::Rust(o.new_token_ids),

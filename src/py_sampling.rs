@@ -1,7 +1,8 @@
-//! `sample_random_cpu`: the core's CPU sampler (`ferryman_core::sampling`) for Python. Checks
-//! and converts the arrays, then samples with the GIL released.
+//! `sample_random_cpu` and `sample_greedy_cpu`: the core's CPU sampler
+//! (`ferryman_core::sampling`) for Python. Checks and converts the arrays, then samples with the
+//! GIL released.
 
-use ferryman_core::{sample_rows, RowParams};
+use ferryman_core::{argmax_rows, sample_rows, RowParams};
 use numpy::{PyArray1, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
@@ -59,4 +60,22 @@ pub fn sample_random_cpu<'py>(
     let mut out = vec![0i64; len];
     py.detach(|| sample_rows(lg, vocab, &at, &params, &mut out));
     Ok(PyArray1::from_vec(py, out))
+}
+
+/// Greedy ids of every row of `logits` (float32 `[N, V]`, C-contiguous): int32 `[N]`, each row's
+/// first index of its largest logit, or -1 where that logit is not finite; and how many rows
+/// are -1.
+#[pyfunction]
+pub fn sample_greedy_cpu<'py>(
+    py: Python<'py>,
+    logits: PyReadonlyArray2<'py, f32>,
+) -> PyResult<(Bound<'py, PyArray1<i32>>, usize)> {
+    let (n, vocab) = (logits.shape()[0], logits.shape()[1]);
+    let lg = logits.as_slice().map_err(|_| InvalidRequestError::new_err("logits must be C-contiguous"))?;
+    if vocab == 0 {
+        return Err(InvalidRequestError::new_err("logits have no columns"));
+    }
+    let mut out = vec![0i32; n];
+    let num_bad = py.detach(|| argmax_rows(lg, vocab, &mut out));
+    Ok((PyArray1::from_vec(py, out), num_bad))
 }

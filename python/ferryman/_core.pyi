@@ -19,6 +19,7 @@ __all__ = [
     "SchedulerOutput",
     "StepOutputs",
     "__version__",
+    "sample_greedy_cpu",
     "sample_random_cpu",
 ]
 
@@ -135,6 +136,12 @@ class SchedulerOutput:
     def sample_seq_indices(self) -> npt.NDArray[np.int32]:
         """int32 [S]: fork index of each sample."""
     @property
+    def sample_rows(self) -> npt.NDArray[np.int32]:
+        """int32 [S]: batch row of each sample's scheduled sequence (its entry of ``rows``)."""
+    @property
+    def sample_positions(self) -> npt.NDArray[np.int32]:
+        """int32 [S]: position of the token each sample draws (its row's ``seq_lens``)."""
+    @property
     def blocks_to_swap_out(self) -> npt.NDArray[np.int32]:
         """int32 [k, 2]: (device block, host block) pairs to copy device -> host first."""
     @property
@@ -207,6 +214,18 @@ class SchedulerOutput:
     @property
     def schedule_ns(self) -> int:
         """Wall time of the schedule() call that planned this step (inside Rust)."""
+    @property
+    def num_scheduled_seqs(self) -> int:
+        """B, without making ``rows``."""
+    @property
+    def num_blocks_swapped_out(self) -> int:
+        """k, without making ``blocks_to_swap_out``."""
+    @property
+    def num_blocks_swapped_in(self) -> int:
+        """m, without making ``blocks_to_swap_in``."""
+    @property
+    def num_blocks_copied(self) -> int:
+        """c, without making ``blocks_to_copy``."""
 
 _FinishReason = Literal["stop", "length", "abort"]
 
@@ -246,6 +265,9 @@ class StepOutputs:
     @property
     def output_texts(self) -> list[str]:
         """[F]: each finished sequence's whole text."""
+    @property
+    def num_generated(self) -> int:
+        """Rows whose token was applied: S less the dropped ones (``num_output_tokens`` 0)."""
     def __len__(self) -> int: ...
 
 @final
@@ -348,3 +370,9 @@ def sample_random_cpu(
     sample_random`` (the same token but for ties within rounding), run in the core with the GIL
     released. Raises ``InvalidRequestError`` for mismatched lengths, a row out of range, a
     non-contiguous ``logits`` or a temperature that is not > 0."""
+
+def sample_greedy_cpu(logits: npt.NDArray[np.float32]) -> tuple[npt.NDArray[np.int32], int]:
+    """Greedy ids of every row of ``logits`` (float32 ``[N, V]``, C-contiguous): each row's first
+    index of its largest logit (numpy's ``argmax``), or -1 where that logit is not finite (a NaN
+    or +inf in the row, or all of it -inf); and the number of -1 rows. The GIL is released.
+    Raises ``InvalidRequestError`` for a non-contiguous ``logits`` or one without columns."""

@@ -31,11 +31,11 @@ import numpy as np
 
 from ferryman._core import InvalidRequestError, RequestParams, Scheduler
 from ferryman.engine_args import DEFAULT_MODEL, EngineArgs
-from ferryman.engine_faults import MAX_STEP_FAILURES, NON_FINITE, EngineDeadError, FaultsMixin
+from ferryman.engine_faults import MAX_STEP_FAILURES, EngineDeadError, FaultsMixin
 from ferryman.engine_offline import OfflineMixin, Prompt
 from ferryman.engine_setup import build_parts
 from ferryman.output_processor import OutputProcessor, RequestState
-from ferryman.outputs import PreemptionEvent, RequestMetrics, RequestOutput, StepResult, StepStats
+from ferryman.outputs import PreemptionEvent, RequestMetrics, StepResult, StepStats
 from ferryman.sampling_params import SamplingParams
 from ferryman.worker.sampling_table import SamplingTable
 from ferryman.worker.step_worker import InFlight as _InFlight
@@ -77,6 +77,7 @@ class Engine(FaultsMixin, OfflineMixin):
         self._next_id = 0
         self._num_added = 0
         self.peak_blocks_used = 0
+        self._num_events_pending = 0  # preemptions planned whose events are not yet drained
         self._inflight: _InFlight | None = None
         faults = parse_fault_steps(os.environ.get("FERRYMAN_TEST_FAULT_STEPS"))  # test-only
         self._worker = StepWorker(
@@ -249,6 +250,7 @@ class Engine(FaultsMixin, OfflineMixin):
     def _plan(self) -> Any:
         """``schedule()`` and the bookkeeping of the planned step."""
         out = self.scheduler.schedule()
+        self._num_events_pending += out.num_preemptions
         added = out.added_req_ids  # a sequence scheduled for the first time takes a batch row
         if len(added):
             now, reqs = time.monotonic(), self._outputs.reqs
@@ -267,23 +269,21 @@ class Engine(FaultsMixin, OfflineMixin):
         ids = sampled.host_ids()
         if sampled.prompt_logprobs:
             self._outputs.add_prompt_logprobs(sampled.prompt_logprobs)
-        failed: list[RequestOutput] = []
-        bad = ids < 0  # rows whose logits were not finite
-        if bad.any():
-            failed = self._fail(out.sample_req_ids[bad].tolist(), NON_FINITE)
-            ids = np.where(bad, 0, ids)  # their requests are aborted: update() drops these samples
+        failed, ids = self._fail_non_finite(out, sampled, ids)
         res = self.scheduler.update(ids)
         outputs = self._outputs.process(res, sampled.logprobs, time.monotonic())
         for ro in outputs:
             if ro.finished:
                 self._release(self._core_ids[ro.request_id])
-        reqs = self._outputs.reqs
-        events = [
-            PreemptionEvent(**e, request_id=st.request_id if (st := reqs.get(e["req_id"])) else None)
-            for e in self.scheduler.drain_events()
-        ]
-        num_generated = int(np.count_nonzero(res.num_output_tokens))  # dropped samples count none
-        return StepResult(outputs + failed, StepStats.of(out, num_generated), events)
+        events = []
+        if self._num_events_pending:  # events come only from preemptions, counted as planned
+            self._num_events_pending = 0
+            reqs = self._outputs.reqs
+            events = [
+                PreemptionEvent(**e, request_id=st.request_id if (st := reqs.get(e["req_id"])) else None)
+                for e in self.scheduler.drain_events()
+            ]
+        return StepResult(outputs + failed, StepStats.of(out, res.num_generated), events)
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

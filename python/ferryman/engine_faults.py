@@ -64,6 +64,19 @@ class FaultsMixin:
             ) from error
         return outputs
 
+    def _fail_non_finite(
+        self, plan: Any, sampled: Any, ids: np.ndarray
+    ) -> tuple[list[RequestOutput], np.ndarray]:
+        """Fails the requests of the step's samples whose logits were not finite (id -1; on the
+        CPU the sampler said whether any is, so the ids are not read when none is), and the ids
+        with theirs 0: their requests are aborted, so ``update()`` drops those samples."""
+        if sampled.any_bad is False:
+            return [], ids
+        bad = ids < 0
+        if not bad.any():
+            return [], ids
+        return self._fail(plan.sample_req_ids[bad].tolist(), NON_FINITE), np.where(bad, 0, ids)
+
     def _fail(self, core_ids: Sequence[int], message: str) -> list[RequestOutput]:
         """Fails these live requests (every sequence of each): their final outputs, with
         ``error``; their blocks are freed."""

@@ -75,7 +75,7 @@ class StepStats:
         return cls(
             plan.step,
             plan.schedule_ns,
-            len(plan.seq_lens),
+            plan.num_scheduled_seqs,
             plan.num_scheduled_tokens,
             plan.num_prefill_tokens,
             plan.token_budget_left,
@@ -85,9 +85,9 @@ class StepStats:
             plan.num_waiting,
             plan.num_swapped,
             plan.num_preemptions,
-            len(plan.blocks_to_swap_out),
-            len(plan.blocks_to_swap_in),
-            len(plan.blocks_to_copy),
+            plan.num_blocks_swapped_out,
+            plan.num_blocks_swapped_in,
+            plan.num_blocks_copied,
             num_generated_tokens,
         )
 

@@ -58,6 +58,11 @@ pub struct SchedulerOutput {
     pub sample_req_ids: Vec<i64>,
     /// [S] fork index of each sample.
     pub sample_seq_indices: Vec<i32>,
+    /// [S] batch row of each sample's scheduled sequence (its entry of `rows`), and the position
+    /// of the token it draws (that row's `seq_lens`): what the sampler reads by sample, so the
+    /// runner need not find each sample's row among the B.
+    pub sample_rows: Vec<i32>,
+    pub sample_positions: Vec<i32>,
     /// [k, 2] flattened (device, host) pairs: copy before the forward.
     pub blocks_to_swap_out: Vec<[i32; 2]>,
     /// [m, 2] flattened (host, device) pairs: copy after the swap-out, before the forward.
@@ -184,6 +189,8 @@ pub struct StepOutputs {
     /// [F+1] byte offsets into `output_text`: each finished sequence's whole text.
     pub output_text_offsets: Vec<u32>,
     pub output_text: Vec<u8>,
+    /// Rows whose token was applied (S less the dropped ones, whose `num_output_tokens` is 0).
+    pub num_generated: usize,
 }
 
 impl StepOutputs {

@@ -25,6 +25,8 @@
 //!
 //! A row with NaN logits returns some token without panicking; the caller fails such a row
 //! (its largest logit is not finite).
+//!
+//! Greedy rows are `greedy.rs`'s.
 
 use std::cmp::Ordering;
 

@@ -135,6 +135,27 @@ def test_core_sampler_refuses_bad_arguments() -> None:
         _core.sample_random_cpu(np.zeros((2, 10), np.float32)[:, ::2], np.array([0]), *one, *seed_pos)
 
 
+@pytest.mark.parametrize("vocab", [1, 7, 259, 49152])
+def test_core_greedy_is_numpys_argmax_and_marks_rows_that_are_not_finite(vocab: int) -> None:
+    rng = np.random.default_rng(vocab)
+    lg = rng.integers(-3, 4, size=(64, vocab)).astype(np.float32)  # few values: many ties
+    if vocab > 1:
+        lg[1, vocab // 2] = np.nan
+        lg[2, -1] = np.inf
+        lg[4, 0] = -np.inf  # one -inf among finite logits: an ordinary row
+    lg[3, :] = -np.inf
+    lg[5, :] = 1e30 if vocab > 1 else -1e30
+    lg[6, -1] = np.nan  # in the tail the eight lanes leave
+    best = lg.argmax(axis=-1)
+    want = np.where(np.isfinite(lg[np.arange(64), best]), best, -1)
+    got, num_bad = _core.sample_greedy_cpu(lg)
+    assert got.dtype == np.int32 and got.tolist() == want.tolist()
+    assert num_bad == int((want < 0).sum()) == (4 if vocab > 1 else 2)
+    with pytest.raises(_core.InvalidRequestError, match="contiguous"):
+        _core.sample_greedy_cpu(lg[::2])
+    assert _core.sample_greedy_cpu(np.zeros((0, vocab), np.float32))[0].tolist() == []
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_sampling_table_flags_rows_whose_largest_logit_is_not_finite(temperature: float) -> None:
     """NaN or +inf anywhere in a row, or a row all -inf, is a fault (``ok`` False); one -inf

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ferryman._core import sample_random_cpu
+from ferryman._core import sample_greedy_cpu, sample_random_cpu
 from ferryman.sampling_params import GREEDY_BELOW
 from ferryman.worker.grammar_mask import apply_grammar as apply_grammar  # looked up here per call
 from ferryman.worker.logit_state import Adjust, LogitState, PromptArgs, adjust_args, prompt_args
@@ -31,6 +31,8 @@ ROW_COLUMNS = (
 )
 RANDOM_COLUMNS = ROW_COLUMNS[:5]  # what random sampling reads; the penalties are applied before it
 FORK_SEED_STRIDE = 1000003  # fork k of a request samples with seed + k * this
+_NO_ROWS = np.zeros(0, np.int64)  # a step's rows added, or its random samples, when it has none
+_NO_FILTERS = Filters(False, False, False)
 History = Callable[[int, int], np.ndarray]  # (core id, fork) -> its output ids so far
 
 
@@ -167,7 +169,7 @@ class SamplingTable:
         wanted = None
         if self.num_logprobs:
             wanted = [None if n < 0 else n for n in self.logprobs[out.sample_req_ids].tolist()]
-        random, filters = np.zeros(0, np.int64), Filters(False, False, False)
+        random, filters = _NO_ROWS, _NO_FILTERS
         if self.num_random:
             sid = out.sample_req_ids
             random = np.flatnonzero(self.temperature[sid] > 0)
@@ -183,7 +185,7 @@ class SamplingTable:
         if self.guided and len(out.grammar_sample_indices):
             masks = out.grammar_masks.reshape(len(out.grammar_sample_indices), out.grammar_mask_words)
             grammar = (out.grammar_sample_indices, masks)
-        rows_added = out.rows_added.astype(np.int64)
+        rows_added = out.rows_added.astype(np.int64) if len(ids) else _NO_ROWS
         return SampleArgs(rows_added, added, random, filters, wanted, adjust, prompt=prompt, grammar=grammar)
 
     def write_rows(self, a: SampleArgs) -> None:
@@ -209,12 +211,12 @@ class SamplingTable:
         seq_indices: np.ndarray,
         positions: np.ndarray,
         a: SampleArgs,
-    ) -> tuple[torch.Tensor, torch.Tensor, list[dict[int, float] | None] | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[dict[int, float] | None] | None]:
         """One token per row of ``logits``: sample i is of batch row ``rows[i]``, fork
         ``seq_indices[i]``, sampling the token at ``positions[i]``; whether each row's largest
         logit is finite (False: NaN or +inf in the row, or all of it -inf; read off the argmax
-        that greedy sampling takes anyway, so the check costs no pass of its own); and the
-        samples' logprobs when any wants them."""
+        that greedy sampling takes anyway, so the check costs no pass of its own), or None on
+        the CPU when every row is; and the samples' logprobs when any wants them."""
         raw = logits  # logprobs are the model's own
         if a.adjust is not None:
             logits = self.logit_state.apply(logits, rows, a.adjust, self.by_row)
@@ -258,14 +260,18 @@ class SamplingTable:
         seq_indices: np.ndarray,
         positions: np.ndarray,
         a: SampleArgs,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``sample``'s tokens and finiteness on the CPU: numpy's argmax (~6x faster than torch's
-        at [256, vocab], no thread pool), and the random samples from the core's sampler (the
-        same algorithm and noise as ``sample_random``, a pass per row instead of torch's sorts)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``sample``'s tokens and finiteness on the CPU (None: every row finite): the core's
+        argmax, which checks the largest logit in the same pass (one call where numpy took
+        eight, each slow on caches the forward has just flushed), and the random samples from
+        the core's sampler (the same algorithm and noise as ``sample_random``, a pass per row
+        instead of torch's sorts). A row that is not finite holds token 0."""
         arr = np.ascontiguousarray(logits.numpy())
-        best = arr.argmax(axis=-1)  # NaN, then +inf, wins a row's argmax
-        ok = torch.from_numpy(np.isfinite(arr[np.arange(len(best)), best]))
-        tokens = best.astype(np.int32)
+        tokens, num_bad = sample_greedy_cpu(arr)
+        ok = None
+        if num_bad:
+            ok = torch.from_numpy(tokens >= 0)
+            tokens = np.maximum(tokens, 0)
         if a.any_random:
             sel = a.random
             r = rows[sel].astype(np.int64)

@@ -41,6 +41,7 @@ class Sampled:
     logprobs: Logprobs
     ready: torch.cuda.Event | None = None
     prompt_logprobs: list[tuple[int, int, dict[int, float]]] | None = None  # (core id, position, lps)
+    any_bad: bool | None = None  # some id is -1 (not finite); None: not known without reading them
 
     def host_ids(self) -> np.ndarray:
         """The ids as int32 numpy, once the copy is done."""
@@ -99,21 +100,16 @@ class StepWorker:
             logits = logits[:num_samples]
         if not len(plan.sample_req_ids):
             return Sampled(np.zeros(0, np.int32), None, prompt_logprobs=prompt_lps)
-        b = np.searchsorted(plan.qo_indptr, plan.logits_indices, side="right") - 1
         tokens, ok, lps = self.sampling.sample(
-            logits,
-            plan.rows[b],
-            plan.sample_seq_indices,
-            plan.seq_lens[b],
-            args,
+            logits, plan.sample_rows, plan.sample_seq_indices, plan.sample_positions, args
         )
-        if tokens.device.type == "cpu" and bool(ok.all()):  # the common case, no copies
+        if ok is None:  # CPU, every row finite: the common case, no copies
             self._prev = tokens
         else:  # on CUDA never asked (that would wait for the device)
             self._prev = torch.where(ok, tokens, 0)
             tokens = torch.where(ok, tokens, -1)
         if tokens.device.type != "cuda" or not self.overlap:
-            return Sampled(tokens.cpu().numpy(), lps, prompt_logprobs=prompt_lps)
+            return Sampled(tokens.cpu().numpy(), lps, prompt_logprobs=prompt_lps, any_bad=ok is not None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]

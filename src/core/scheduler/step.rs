@@ -42,11 +42,14 @@ use crate::text::Push;
 /// A sample row between `schedule()` and `update()`.
 #[derive(Debug, Clone, Copy)]
 struct Sample {
-    req_idx: ReqIdx,
     req_id: u64,
+    req_idx: ReqIdx,
     seq_index: u32,
     /// Its token row in the step (`logits_indices`).
     logits_index: u32,
+    /// Its sequence's batch row, and the position of the token it draws.
+    row: u32,
+    position: u32,
 }
 
 /// One scheduled row's entries of the per-row output arrays, gathered in `build_output`'s pass
@@ -174,11 +177,13 @@ impl Scheduler {
                     self.counters.grammar_mask_ns += started.elapsed().as_nanos() as u64;
                 }
                 let logits_index = o.input_ids.len() as u32 - 1;
+                let (req_idx, req_id, position) = (s.req_idx, r.req_id, end as u32);
                 if n == 1 {
-                    samples.push(Sample { req_idx: s.req_idx, req_id: r.req_id, seq_index: r.seq_index, logits_index });
+                    let seq_index = r.seq_index;
+                    samples.push(Sample { req_id, req_idx, seq_index, logits_index, row, position });
                 } else {
                     for seq_index in 0..n {
-                        samples.push(Sample { req_idx: s.req_idx, req_id: r.req_id, seq_index, logits_index });
+                        samples.push(Sample { req_id, req_idx, seq_index, logits_index, row, position });
                     }
                 }
                 r.num_inflight += 1;
@@ -201,6 +206,8 @@ impl Scheduler {
         o.logits_indices = samples.iter().map(|x| i64::from(x.logits_index)).collect();
         o.sample_req_ids = samples.iter().map(|x| x.req_id as i64).collect();
         o.sample_seq_indices = samples.iter().map(|x| x.seq_index as i32).collect();
+        o.sample_rows = samples.iter().map(|x| x.row as i32).collect();
+        o.sample_positions = samples.iter().map(|x| x.position as i32).collect();
         self.row_scratch = rows;
         o.rows_removed = self.batch.take_removed();
         o.blocks_to_swap_out = plan.swap_out;
@@ -282,7 +289,8 @@ impl Scheduler {
                 }
             }
         }
-        self.counters.num_generated_tokens += (n - num_dropped) as u64;
+        out.num_generated = n - num_dropped;
+        self.counters.num_generated_tokens += out.num_generated as u64;
         self.reqs.release_deferred(pending.step);
         self.spare_pending = Some(pending);
         self.counters.scheduler_ns += started.elapsed().as_nanos() as u64;

@@ -271,6 +271,8 @@ impl Harness {
         let sampled = (0..o.logits_indices.len())
             .map(|i| {
                 let b = o.qo_indptr.partition_point(|&q| q as i64 <= o.logits_indices[i]) - 1;
+                // the sampler reads a sample's row and position from its own columns
+                assert_eq!((o.sample_rows[i], o.sample_positions[i]), (o.rows[b], o.seq_lens[b]), "sample {i}");
                 Self::fake_token(o.sample_req_ids[i], o.sample_seq_indices[i], o.seq_lens[b] as usize) as i32
             })
             .collect();

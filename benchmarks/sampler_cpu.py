@@ -1,6 +1,7 @@
-"""Random sampling on the CPU: the core's sampler (``ferryman._core.sample_random_cpu``, what
-the engine runs on CPU) against the torch sampler (``ferryman.worker.sampler.sample_random``,
-what it runs on CUDA, and ran on CPU before), side by side on the same logits.
+"""Random sampling on the CPU: the core's sampler (``ferryman._core.sample_random_cpu``; the
+engine runs the same sampler through ``sample_cpu``) against the torch sampler
+(``ferryman.worker.sampler.sample_random``, what it runs on CUDA, and ran on CPU before), side by
+side on the same logits.
 
 For each batch size and vocabulary, rows of random logits (``--scale`` sets how peaked they are:
 N(0, scale²) before the temperature) are sampled under each filter set; each figure is the median

@@ -25,7 +25,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<py_outputs::PySchedulerOutput>()?;
     m.add_class::<py_outputs::PyStepOutputs>()?;
     m.add_function(wrap_pyfunction!(py_sampling::sample_random_cpu, m)?)?;
-    m.add_function(wrap_pyfunction!(py_sampling::sample_greedy_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(py_sampling::sample_cpu, m)?)?;
     py_errors::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

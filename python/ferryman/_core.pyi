@@ -19,7 +19,7 @@ __all__ = [
     "SchedulerOutput",
     "StepOutputs",
     "__version__",
-    "sample_greedy_cpu",
+    "sample_cpu",
     "sample_random_cpu",
 ]
 
@@ -371,8 +371,23 @@ def sample_random_cpu(
     released. Raises ``InvalidRequestError`` for mismatched lengths, a row out of range, a
     non-contiguous ``logits`` or a temperature that is not > 0."""
 
-def sample_greedy_cpu(logits: npt.NDArray[np.float32]) -> tuple[npt.NDArray[np.int32], int]:
-    """Greedy ids of every row of ``logits`` (float32 ``[N, V]``, C-contiguous): each row's first
-    index of its largest logit (numpy's ``argmax``), or -1 where that logit is not finite (a NaN
-    or +inf in the row, or all of it -inf); and the number of -1 rows. The GIL is released.
-    Raises ``InvalidRequestError`` for a non-contiguous ``logits`` or one without columns."""
+def sample_cpu(
+    logits: npt.NDArray[np.float32],
+    rows: npt.NDArray[np.int32],
+    seq_indices: npt.NDArray[np.int32],
+    positions: npt.NDArray[np.int32],
+    temperature: npt.NDArray[np.float32],
+    top_k: npt.NDArray[np.int64],
+    top_p: npt.NDArray[np.float32],
+    min_p: npt.NDArray[np.float32],
+    seed: npt.NDArray[np.int64],
+    fork_seed_stride: int,
+) -> tuple[npt.NDArray[np.int32], int]:
+    """One int32 token per sample of a step, sample i from row i of ``logits`` (float32
+    ``[N, V]``, C-contiguous): the argmax (numpy's: the first index of the largest logit), or,
+    where its batch row ``rows[i]`` has ``temperature > 0``, a random token as
+    ``sample_random_cpu`` draws it under that row's entries of the by-row columns (``[R]`` each),
+    the seed ``seed + fork_seed_stride * seq_indices[i]`` and the position ``positions[i]``; -1
+    where the row's largest logit is not finite (a NaN or +inf, or all -inf). Returns the ids and
+    the number of -1 rows; the GIL is released. Raises ``InvalidRequestError`` for mismatched
+    lengths, a row out of range, a non-contiguous ``logits`` or one without columns."""

@@ -35,6 +35,6 @@ pub use grammar::GrammarSpec;
 pub use greedy::argmax_rows;
 pub use outputs::{Counters, PreemptionEvent, PreemptionReason, SchedulerOutput, StepOutputs, StepStats};
 pub use request::{FinishReason, RequestParams, RequestStatus, TextParams};
-pub use sampling::{sample_rows, RowParams};
+pub use sampling::{sample_rows, sample_step, RowParams};
 pub use scheduler::Scheduler;
 pub use text::Tokenizer;

@@ -30,6 +30,8 @@
 
 use std::cmp::Ordering;
 
+use crate::greedy::argmax_rows;
+
 /// Sampling parameters of one row; `top_k <= 0` and `top_p >= 1` are off, `min_p <= 0` is off.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RowParams {
@@ -370,6 +372,21 @@ pub fn sample_rows(logits: &[f32], vocab: usize, rows: &[usize], params: &[RowPa
     }
 }
 
+/// Every sample of a step on the CPU, sample i from row i of `logits` (row-major, `vocab`
+/// wide): the argmax (`argmax_rows`, -1 where the largest logit is not finite), then a random
+/// token where `params[i]` is set and the row is finite. Returns the number of -1 rows.
+pub fn sample_step(logits: &[f32], vocab: usize, params: &[Option<RowParams>], out: &mut [i32]) -> usize {
+    assert_eq!(params.len(), out.len());
+    let num_bad = argmax_rows(logits, vocab, out);
+    let mut s = RowSampler::default();
+    for (i, (p, o)) in params.iter().zip(out.iter_mut()).enumerate() {
+        if let Some(p) = p.as_ref().filter(|_| *o >= 0) {
+            *o = s.sample(&logits[i * vocab..(i + 1) * vocab], p) as i32;
+        }
+    }
+    num_bad
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -396,6 +413,20 @@ mod tests {
 
     fn logits(n: usize, seed: u64, scale: f32) -> Vec<f32> {
         (0..n).map(|i| ((uniform(seed as i64, 7, i as i64) as f32) - 0.5) * scale).collect()
+    }
+
+    #[test]
+    fn a_step_samples_its_random_rows_and_takes_the_argmax_of_the_rest() {
+        let vocab = 300;
+        let mut lg = logits(4 * vocab, 9, 6.0);
+        lg[2 * vocab + 5] = f32::NAN; // a random row that is not finite fails, unsampled
+        let p = Some(params(4));
+        let mut out = vec![0; 4];
+        assert_eq!(sample_step(&lg, vocab, &[None, p, p, None], &mut out), 1);
+        let mut greedy = vec![0; 4];
+        argmax_rows(&lg, vocab, &mut greedy);
+        let random = RowSampler::default().sample(&lg[vocab..2 * vocab], &params(4));
+        assert_eq!(out, vec![greedy[0], random as i32, -1, greedy[3]]);
     }
 
     #[test]

@@ -16,6 +16,8 @@ INT32_FIELDS = [
     "kv_indptr",
     "kv_last_page_len",
     "sample_seq_indices",
+    "sample_rows",
+    "sample_positions",
     "rows",
     "rows_removed",
     "rows_added",
@@ -87,14 +89,19 @@ def test_every_output_array_has_its_dtype_and_shape() -> None:
     assert out.kv_indptr[-1] == len(out.table_blocks)  # a new row gets its whole table
     assert list(out.logits_indices) == [5, 5, 8]  # the n=2 request samples its last row twice
     assert list(out.sample_req_ids) == [3, 3, 4] and list(out.sample_seq_indices) == [0, 1, 0]
+    # each sample's row and the position it draws, as the runner would find them
+    b_of = np.searchsorted(out.qo_indptr, out.logits_indices, side="right") - 1
+    assert out.sample_rows.tolist() == out.rows[b_of].tolist() == [0, 0, 1]
+    assert out.sample_positions.tolist() == out.seq_lens[b_of].tolist() == [6, 6, 3]
     assert out.num_scheduled_tokens == 9 and out.step == 0
+    assert (out.num_scheduled_seqs, out.num_blocks_swapped_out, out.num_blocks_swapped_in) == (2, 0, 0)
     res = s.update(np.array([7, 8, 9], dtype=np.int32))
-    assert len(res) == 3
+    assert len(res) == res.num_generated == 3
     assert res.new_token_ids.dtype == np.int32 and list(res.new_token_ids) == [7, 8, 9]
     assert res.req_ids.dtype == np.int64 and list(res.seq_indices) == [0, 1, 0]
     assert res.finish_reasons == [None, None, None]
     out = s.schedule()  # the two forks copy-on-write into the shared partial block
-    assert out.blocks_to_copy.shape == (1, 2)
+    assert out.blocks_to_copy.shape == (1, 2) and out.num_blocks_copied == 1
     s.update([1, 2, 3])  # a list is accepted too
     k = len(s.schedule().sample_req_ids)
     ids = np.zeros(2 * k, dtype=np.int32)
@@ -225,11 +232,18 @@ def test_events_and_stats_report_a_preemption() -> None:
     s = make(block_size=2, num_device_blocks=4, preemption_mode="swap", num_host_blocks=8, watermark=0.0)
     s.add_request(1, [1, 2, 3], RequestParams(4, ignore_eos=True))
     s.add_request(2, [4, 5, 6], RequestParams(4, ignore_eos=True))
-    preempted = []
+    preempted, moved = [], [0, 0]
     while s.has_unfinished_requests():
         out = s.schedule()
         preempted += list(out.preempted_req_ids)
+        moved[0] += out.num_blocks_swapped_out
+        moved[1] += out.num_blocks_swapped_in
+        assert (out.num_blocks_swapped_out, out.num_blocks_swapped_in) == (
+            len(out.blocks_to_swap_out),
+            len(out.blocks_to_swap_in),
+        )
         s.update(np.ones(len(out.logits_indices), dtype=np.int32))
+    assert moved == [2, 2]
     events = s.drain_events()
     assert preempted == [2] and len(events) == 1
     e = events[0]
@@ -249,3 +263,14 @@ def test_events_and_stats_report_a_preemption() -> None:
     assert st["num_blocks_swapped_out"] == st["num_blocks_swapped_in"] == 2
     assert st["num_free_device_blocks"] == 4 and st["num_free_host_blocks"] == 8
     assert s.drain_events() == []
+
+
+def test_num_generated_leaves_out_dropped_samples() -> None:
+    s = make()
+    s.add_request(1, [1, 2, 3], RequestParams(4))
+    s.add_request(2, [4, 5, 6], RequestParams(4))
+    out = s.schedule()
+    assert s.abort_request(2)  # after its sample was planned: update() drops it
+    res = s.update(np.ones(len(out.logits_indices), dtype=np.int32))
+    assert (len(res), res.num_generated) == (2, 1)
+    assert res.num_output_tokens.tolist() == [1, 0]

@@ -135,6 +135,17 @@ def test_core_sampler_refuses_bad_arguments() -> None:
         _core.sample_random_cpu(np.zeros((2, 10), np.float32)[:, ::2], np.array([0]), *one, *seed_pos)
 
 
+def _greedy_cols(num_rows: int) -> tuple[np.ndarray, ...]:
+    """By-row sampling columns of ``num_rows`` greedy rows (temperature 0), ``sample_cpu``'s."""
+    return (
+        np.zeros(num_rows, np.float32),
+        np.full(num_rows, -1, np.int64),
+        np.ones(num_rows, np.float32),
+        np.zeros(num_rows, np.float32),
+        np.zeros(num_rows, np.int64),
+    )
+
+
 @pytest.mark.parametrize("vocab", [1, 7, 259, 49152])
 def test_core_greedy_is_numpys_argmax_and_marks_rows_that_are_not_finite(vocab: int) -> None:
     rng = np.random.default_rng(vocab)
@@ -148,12 +159,58 @@ def test_core_greedy_is_numpys_argmax_and_marks_rows_that_are_not_finite(vocab: 
     lg[6, -1] = np.nan  # in the tail the eight lanes leave
     best = lg.argmax(axis=-1)
     want = np.where(np.isfinite(lg[np.arange(64), best]), best, -1)
-    got, num_bad = _core.sample_greedy_cpu(lg)
+    rows = np.arange(64, dtype=np.int32)
+    got, num_bad = _core.sample_cpu(lg, rows, rows * 0, rows, *_greedy_cols(64), 7)
     assert got.dtype == np.int32 and got.tolist() == want.tolist()
     assert num_bad == int((want < 0).sum()) == (4 if vocab > 1 else 2)
     with pytest.raises(_core.InvalidRequestError, match="contiguous"):
-        _core.sample_greedy_cpu(lg[::2])
-    assert _core.sample_greedy_cpu(np.zeros((0, vocab), np.float32))[0].tolist() == []
+        _core.sample_cpu(lg[::2], rows[:32], rows[:32], rows[:32], *_greedy_cols(64), 7)
+    none = np.zeros(0, np.int32)
+    got, _ = _core.sample_cpu(np.zeros((0, vocab), np.float32), none, none, none, *_greedy_cols(4), 7)
+    assert got.tolist() == []
+
+
+def test_core_step_sampler_draws_random_rows_by_their_batch_rows() -> None:
+    """``sample_cpu``: sample i reads batch row ``rows[i]``'s parameters; random where its
+    temperature is > 0 (``sample_random_cpu``'s token, with the fork's seed), else the argmax;
+    a random row that is not finite is -1."""
+    n, vocab, num_rows = 6, 300, 8
+    lg = (np.random.default_rng(3).standard_normal((n, vocab)) * 4).astype(np.float32)
+    lg[4, 9] = np.nan
+    temperature, top_k, top_p, min_p, seed = _greedy_cols(num_rows)
+    temperature[[2, 5, 7]] = 0.7, 1.3, 0.9
+    top_k[5], top_p[7], min_p[2] = 20, 0.8, 0.05
+    seed[:] = np.arange(num_rows) * 11 + 3
+    rows = np.array([7, 0, 5, 2, 5, 1], np.int32)
+    forks = np.array([0, 0, 2, 0, 1, 0], np.int32)
+    positions = np.array([40, 41, 42, 43, 44, 45], np.int32)
+    cols = (temperature, top_k, top_p, min_p, seed)
+    got, num_bad = _core.sample_cpu(lg, rows, forks, positions, *cols, 1000003)
+    assert num_bad == 1 and got[4] == -1
+    rand = [0, 2, 3]  # samples whose rows sample at random
+    r = rows[rand]
+    want = _core.sample_random_cpu(
+        lg,
+        np.array(rand, np.int64),
+        temperature[r],
+        top_k[r],
+        top_p[r],
+        min_p[r],
+        seed[r] + 1000003 * forks[rand].astype(np.int64),
+        positions[rand].astype(np.int64),
+    )
+    assert got[rand].tolist() == want.tolist()
+    assert got[[1, 5]].tolist() == lg[[1, 5]].argmax(axis=-1).tolist()
+    with pytest.raises(_core.InvalidRequestError, match="out of range"):
+        _core.sample_cpu(lg, rows + 8, forks, positions, *cols, 7)
+    with pytest.raises(_core.InvalidRequestError, match="one entry per logits row"):
+        _core.sample_cpu(lg, rows[:5], forks, positions, *cols, 7)
+    bad_t = temperature.copy()
+    bad_t[7] = np.inf
+    with pytest.raises(_core.InvalidRequestError, match="not finite"):
+        _core.sample_cpu(lg, rows, forks, positions, bad_t, *cols[1:], 7)
+    with pytest.raises(_core.InvalidRequestError, match="same length"):
+        _core.sample_cpu(lg, rows, forks, positions, temperature[:4], *cols[1:], 7)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -174,7 +231,7 @@ def test_sampling_table_flags_rows_whose_largest_logit_is_not_finite(temperature
 
     class Plan:  # what ``args`` reads of a planned step
         added_req_ids = sample_req_ids = ids
-        rows_added = ids
+        rows_added = ids.astype(np.int32)
 
     args = table.args(Plan())
     table.write_rows(args)
@@ -183,7 +240,8 @@ def test_sampling_table_flags_rows_whose_largest_logit_is_not_finite(temperature
     logits[2, 7] = float("inf")
     logits[3, :] = float("-inf")
     logits[4, 5] = float("-inf")
-    tokens, ok, _ = table.sample(logits, ids, np.zeros(n, np.int64), np.full(n, 9, np.int64), args)
+    rows = ids.astype(np.int32)  # the plan's sample_rows, sample_seq_indices, sample_positions
+    tokens, ok, _ = table.sample(logits, rows, np.zeros(n, np.int32), np.full(n, 9, np.int32), args)
     assert ok.tolist() == [True, False, False, False, True]
     assert int(tokens[4]) != 5 and 0 <= int(tokens[0]) < vocab
     if temperature == 0.0:

@@ -5,7 +5,8 @@ counter-based hash of (request seed, position, token id), so a request's samples
 its own seed and position — never on the batch it ran in or on other requests.
 
 The engine runs these torch ops on CUDA; on CPU it runs the core's sampler
-(``ferryman._core.sample_random_cpu``), the same algorithm and noise per row.
+(``ferryman._core.sample_cpu``, a step's samples in one call), the same algorithm and noise per
+row.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ferryman._core import sample_greedy_cpu, sample_random_cpu
+from ferryman._core import sample_cpu
 from ferryman.sampling_params import GREEDY_BELOW
 from ferryman.worker.grammar_mask import apply_grammar as apply_grammar  # looked up here per call
 from ferryman.worker.logit_state import Adjust, LogitState, PromptArgs, adjust_args, prompt_args
@@ -34,6 +34,7 @@ FORK_SEED_STRIDE = 1000003  # fork k of a request samples with seed + k * this
 _NO_ROWS = np.zeros(0, np.int64)  # a step's rows added, or its random samples, when it has none
 _NO_FILTERS = Filters(False, False, False)
 History = Callable[[int, int], np.ndarray]  # (core id, fork) -> its output ids so far
+_Columns = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # RANDOM_COLUMNS'
 
 
 @dataclass(slots=True)
@@ -41,11 +42,13 @@ class SampleArgs:
     """What sampling one step needs from the table, taken when the step is planned (with async
     scheduling the previous step is applied, releasing requests, while this one runs): the
     parameters of the rows this step takes, which samples are random and the filters they use
-    (known on the host, so sampling never asks the device), and the logprobs each sample wants."""
+    (on CUDA; known on the host, so sampling never asks the device), and the logprobs each
+    sample wants."""
 
     rows_added: np.ndarray  # int64 [A]
     added: dict[str, np.ndarray]  # column -> [A] values
-    random: np.ndarray  # int64: the samples with temperature > 0
+    random: np.ndarray  # int64: the samples with temperature > 0 (off the CPU; there always empty:
+    # the CPU sampler reads each sample's row's own temperature)
     filters: Filters  # what those use
     wanted: list[int | None] | None  # per sample: top-N logprobs, or None; None: no sample wants
     adjust: Adjust | None = None  # penalties, biases, min_tokens: None when no sample has any
@@ -98,6 +101,7 @@ class SamplingTable:
             c: torch.zeros(max_num_seqs, dtype=_dtype(getattr(self, c)), device=device) for c in ROW_COLUMNS
         }
         self.logit_state = LogitState(device, vocab_size, max_num_seqs)  # penalties, biases
+        self._by_row_cpu: _Columns | None = None  # numpy views of by_row's random columns (CPU)
 
     def set(
         self,
@@ -170,7 +174,7 @@ class SamplingTable:
         if self.num_logprobs:
             wanted = [None if n < 0 else n for n in self.logprobs[out.sample_req_ids].tolist()]
         random, filters = _NO_ROWS, _NO_FILTERS
-        if self.num_random:
+        if self.num_random and self.device.type != "cpu":  # the CPU sampler reads rows' own
             sid = out.sample_req_ids
             random = np.flatnonzero(self.temperature[sid] > 0)
             r = sid[random]
@@ -198,6 +202,7 @@ class SamplingTable:
                 c: torch.cat([t, torch.zeros(top - len(t), dtype=t.dtype, device=t.device)])
                 for c, t in self.by_row.items()
             }
+            self._by_row_cpu = None
         r = torch.from_numpy(a.rows_added).to(self.device)
         for c, t in self.by_row.items():
             t[r] = torch.from_numpy(a.added[c]).to(self.device)
@@ -223,7 +228,7 @@ class SamplingTable:
         if a.grammar is not None:
             logits = apply_grammar(logits, *a.grammar, fallback=raw if a.adjust is not None else None)
         if logits.device.type == "cpu":
-            tokens, ok = self._sample_cpu(logits, rows, seq_indices, positions, a)
+            tokens, ok = self._sample_cpu(logits, rows, seq_indices, positions)
         else:
             best_t = logits.argmax(dim=-1)
             ok = torch.isfinite(logits.gather(1, best_t[:, None])[:, 0])
@@ -259,28 +264,22 @@ class SamplingTable:
         rows: np.ndarray,
         seq_indices: np.ndarray,
         positions: np.ndarray,
-        a: SampleArgs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``sample``'s tokens and finiteness on the CPU (None: every row finite): the core's
-        argmax, which checks the largest logit in the same pass (one call where numpy took
-        eight, each slow on caches the forward has just flushed), and the random samples from
-        the core's sampler (the same algorithm and noise as ``sample_random``, a pass per row
-        instead of torch's sorts). A row that is not finite holds token 0."""
+        """``sample``'s tokens and finiteness on the CPU (None: every row finite), in one core
+        call (``sample_cpu``; numpy and torch took some twenty, each slow on caches the forward
+        has just flushed): the argmax, which checks the largest logit in the same pass, and the
+        random samples by their rows' parameters (the same algorithm and noise as
+        ``sample_random``, a pass per row instead of torch's sorts). A row that is not finite
+        holds token 0."""
         arr = np.ascontiguousarray(logits.numpy())
-        tokens, num_bad = sample_greedy_cpu(arr)
+        if self._by_row_cpu is None:
+            t, k, p, m, s = (self.by_row[c].numpy() for c in RANDOM_COLUMNS)
+            self._by_row_cpu = (t, k, p, m, s)
+        tokens, num_bad = sample_cpu(arr, rows, seq_indices, positions, *self._by_row_cpu, FORK_SEED_STRIDE)
         ok = None
         if num_bad:
             ok = torch.from_numpy(tokens >= 0)
             tokens = np.maximum(tokens, 0)
-        if a.any_random:
-            sel = a.random
-            r = rows[sel].astype(np.int64)
-            p = {c: self.by_row[c].numpy()[r] for c in RANDOM_COLUMNS}
-            seeds = p["seed"] + FORK_SEED_STRIDE * seq_indices[sel].astype(np.int64)
-            at = positions[sel].astype(np.int64)
-            tokens[sel] = sample_random_cpu(
-                arr, sel, p["temperature"], p["top_k"], p["top_p"], p["min_p"], seeds, at
-            )
         return torch.from_numpy(tokens), ok
 
 

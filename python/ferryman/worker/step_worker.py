@@ -41,7 +41,7 @@ class Sampled:
     logprobs: Logprobs
     ready: torch.cuda.Event | None = None
     prompt_logprobs: list[tuple[int, int, dict[int, float]]] | None = None  # (core id, position, lps)
-    any_bad: bool | None = None  # some id is -1 (not finite); None: not known without reading them
+    any_bad: bool | None = None  # False: no id is -1 (not finite); None: not known without reading
 
     def host_ids(self) -> np.ndarray:
         """The ids as int32 numpy, once the copy is done."""
@@ -109,7 +109,8 @@ class StepWorker:
             self._prev = torch.where(ok, tokens, 0)
             tokens = torch.where(ok, tokens, -1)
         if tokens.device.type != "cuda" or not self.overlap:
-            return Sampled(tokens.cpu().numpy(), lps, prompt_logprobs=prompt_lps, any_bad=ok is not None)
+            any_bad = None if tokens.device.type == "cuda" else ok is not None  # on the CPU, known
+            return Sampled(tokens.cpu().numpy(), lps, prompt_logprobs=prompt_lps, any_bad=any_bad)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]

@@ -26,7 +26,8 @@
 //! A row with NaN logits returns some token without panicking; the caller fails such a row
 //! (its largest logit is not finite).
 //!
-//! Greedy rows are `greedy.rs`'s.
+//! `sample_step` is a whole step's samples: every row's argmax and finiteness check from
+//! `greedy.rs`, then the rows with parameters drawn here.
 
 use std::cmp::Ordering;
 

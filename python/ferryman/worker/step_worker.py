@@ -95,10 +95,10 @@ class StepWorker:
         logits = self.runner.execute(plan, self._prev, also)
         prompt_lps = None
         if args.prompt is not None:  # read back now: only requests that ask for them pay the wait
-            num_samples = len(plan.sample_req_ids)
+            num_samples = len(plan.sample_rows)
             prompt_lps = prompt_logprobs(logits[num_samples:], args.prompt)
             logits = logits[:num_samples]
-        if not len(plan.sample_req_ids):
+        if not len(plan.sample_rows):  # the array the sampler reads next, made once
             return Sampled(np.zeros(0, np.int32), None, prompt_logprobs=prompt_lps)
         tokens, ok, lps = self.sampling.sample(
             logits, plan.sample_rows, plan.sample_seq_indices, plan.sample_positions, args

@@ -13,18 +13,25 @@
 //!
 //! Dtypes follow the Python sampler (float32 probabilities, float64 race, the top-p prefix sums
 //! accumulated in float64 as torch does on the CPU), so both pick the same token except where two
-//! candidates tie to within rounding.
+//! candidates tie to within rounding, or the mass before a token lies within float64 rounding
+//! of top-p (a block of surely kept tokens has its mass summed in its own order).
 //!
-//! What makes it cheap: top-k by selection (O(V)) of the k-th largest logit and one pass for
-//! the tokens not below it, not a sort of the vocabulary; top-p by sorting growing prefixes found
-//! by selection (16 candidates first after top-k, 64 tokens over the whole vocabulary), so a
-//! peaked row sorts tens of tokens; exponentials in a loop the compiler vectorizes
-//! (`exp_nonpositive`); and the race never takes the logarithm of a token that cannot win: since
-//! -ln(u) ≥ 1 - u, a token whose p / (1 - u) is below the best race value so far is out, exactly,
-//! and one whose p is below the best value × 1e-12 (u ≤ 1 - 1e-12) is out without hashing.
+//! What makes it cheap:
+//! - top-k by selection (O(V)) of the k-th largest logit and one pass for the tokens not below
+//!   it, not a sort of the vocabulary; from 2,048 tokens on, the selection runs only on the
+//!   tokens above a pivot read off a strided sample of the row (`pivot`);
+//! - top-p without sorting most of what it keeps: no probability exceeds the largest, so a first
+//!   block of tokens is surely kept and is selected, not sorted, and so on for a few blocks while
+//!   the bound stays large (a flat row); then growing prefixes are selected and sorted until the
+//!   cut falls in one (a peaked row sorts tens of tokens; `cut_sorted_prefixes`);
+//! - exponentials in a loop the compiler vectorizes (`exp_nonpositive`);
+//! - a race that never takes the logarithm of a token that cannot win (since -ln(u) ≥ 1 - u, a
+//!   token whose p / (1 - u) is below the best race value so far is out, exactly), hashes every
+//!   token it offers without a data-dependent branch before the hash (a mispredicted one cost
+//!   more than the hash), and skips the tokens min-p rules out.
 //!
 //! A row with NaN logits returns some token without panicking; the caller fails such a row
-//! (its largest logit is not finite).
+//! (its largest logit is not finite), and which token is not specified.
 //!
 //! `sample_step` is a whole step's samples: every row's argmax and finiteness check from
 //! `greedy.rs`, then the rows with parameters drawn here.
@@ -32,6 +39,14 @@
 use std::cmp::Ordering;
 
 use crate::greedy::argmax_rows;
+
+mod keys;
+mod top_p;
+
+#[cfg(test)]
+use keys::{exp_nonpositive, EXP_MIN};
+use keys::{exp_shifted, id_of, key, logit_of, rank};
+use top_p::{cut_sorted_prefixes, least_kept};
 
 /// Sampling parameters of one row; `top_k <= 0` and `top_p >= 1` are off, `min_p <= 0` is off.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -66,75 +81,9 @@ pub fn uniform(seed: i64, position: i64, token: i64) -> f64 {
     u.clamp(U_MIN, 1.0 - U_MIN)
 }
 
-/// An order key of scaled logit `x`: ascending ranks are descending logits (in `total_cmp`'s
-/// order, NaN first); plain integer compares.
-#[inline]
-fn rank(x: f32) -> u32 {
-    let b = x.to_bits();
-    let ascending = if b >> 31 == 1 { !b } else { b | 0x8000_0000 };
-    !ascending
-}
-
-/// The logit of a `rank`.
-#[inline]
-fn logit_of(rank: u32) -> f32 {
-    let a = !rank;
-    f32::from_bits(if a >> 31 == 1 { a & 0x7fff_ffff } else { !a })
-}
-
-/// A sort key of token (or candidate) `id` with scaled logit `x`: ascending keys are descending
-/// logits, ties by ascending id.
-#[inline]
-fn key(x: f32, id: u32) -> u64 {
-    (u64::from(rank(x)) << 32) | u64::from(id)
-}
-
-/// The token id of a `key`.
-#[inline]
-fn id_of(key: u64) -> u32 {
-    key as u32
-}
-
-/// The lowest argument of `exp_shifted`: below it e^x is under the smallest normal float and
-/// counts as 0.
-const EXP_MIN: f32 = -87.336_55;
-
-/// e^x for x ≤ 0 in float32, within about 2 ulp of the correctly rounded value: x = n ln 2 + r
-/// with |r| ≤ ln 2 / 2, a degree-7 polynomial for e^r (Cephes' coefficients), times 2^n built in
-/// the exponent bits. 0 below `EXP_MIN`, NaN for NaN; x > 0 is not an input (it gives 1). No
-/// calls and no branches, so a loop of it vectorizes (libm's `expf`, a call per element, was a
-/// third of a row's time).
-#[inline(always)]
-fn exp_nonpositive(x: f32) -> f32 {
-    const ROUND: f32 = 12_582_912.0; // 1.5 × 2^23: adding it rounds to an integer in the low bits
-    const LN2_HI: f32 = 0.693_359_4; // ln 2 in two parts, n × LN2_HI exact for |n| ≤ 127
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    let xc = x.clamp(EXP_MIN, 0.0); // NaN stays NaN
-    let t = xc * std::f32::consts::LOG2_E + ROUND;
-    let n = t - ROUND;
-    let r = (xc - n * LN2_HI) - n * LN2_LO;
-    let q = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r + 1.666_666_5e-1)
-        * r
-        + 0.5;
-    let er = q * (r * r) + r + 1.0;
-    // t's bits are ROUND's plus n; 2^n for n in [-126, 0] has exponent bits n + 127
-    let n_bits = t.to_bits().wrapping_sub(ROUND.to_bits());
-    let scale = f32::from_bits(n_bits.wrapping_add(127) << 23);
-    if x < EXP_MIN {
-        0.0
-    } else {
-        er * scale
-    }
-}
-
-/// `out[i] = e^(xs[i] - shift)`, with `shift` at least every `xs[i]` (or NaN rows).
-fn exp_shifted(out: &mut Vec<f32>, xs: &[f32], shift: f32) {
-    out.clear();
-    out.resize(xs.len(), 0.0);
-    for (o, &x) in out.iter_mut().zip(xs) {
-        *o = exp_nonpositive(x - shift);
-    }
-}
+/// The least vocabulary whose top-k goes through a sampled pivot (below it, selecting over the
+/// whole row measured faster: at 259 the pivot's extra passes cost more than they saved).
+const PIVOT_MIN_VOCAB: usize = 2048;
 
 /// Reusable buffers: sampling many rows allocates once.
 #[derive(Debug, Default, Clone)]
@@ -183,22 +132,83 @@ impl RowSampler {
         self.race_candidates(p)
     }
 
-    /// Candidates: every token not below the k-th largest scaled logit, in id order. Ties with
-    /// the k-th are kept, and so is NaN (the Python sampler masks `lg < kth` only). The k-th is
-    /// found by selection over 32-bit ranks; nothing is sorted.
+    /// Candidates: every token not below the k-th largest scaled logit, in id order; ties with
+    /// the k-th are kept (the Python sampler masks `lg < kth` only). Nothing is sorted: a pivot
+    /// a little past the k-th largest, read off a strided sample of the row, splits off the few
+    /// tokens that can be candidates (a count first, which the compiler vectorizes, then one
+    /// pass that writes them out), and the k-th is selected among those. If the sample
+    /// misjudged (fewer than k pass, or the k-th is the pivot itself, which a tie of -0 and +0
+    /// could straddle), the whole row's ranks are selected and the row filtered.
     fn top_k(&mut self, k: usize) {
+        let n = self.lg.len();
+        if let Some((t, passing)) = self.pivot(k) {
+            if self.top_k_below(t, passing, k) {
+                return;
+            }
+        }
         self.ranks.clear();
         self.ranks.extend(self.lg.iter().map(|&x| rank(x)));
         let kth = logit_of(*self.ranks.select_nth_unstable(k - 1).1);
         // branch-free: write every id, advance past the kept ones
         self.cand.clear();
-        self.cand.resize(self.lg.len(), 0);
-        let mut n = 0;
+        self.cand.resize(n, 0);
+        let mut m = 0;
         for (i, &x) in self.lg.iter().enumerate() {
-            self.cand[n] = i as u32;
-            n += usize::from(x.partial_cmp(&kth) != Some(Ordering::Less));
+            self.cand[m] = i as u32;
+            m += usize::from(x.partial_cmp(&kth) != Some(Ordering::Less));
         }
-        self.cand.truncate(n);
+        self.cand.truncate(m);
+    }
+
+    /// A rank `t` that at least `m` of the row's tokens are at or above (a prefix of the tokens
+    /// by descending logit), and how many are: the `j`-th of a strided sample of the row's ranks,
+    /// `j` about 1.5 m in the row's proportion and a margin, then a count the compiler
+    /// vectorizes. None for a small vocabulary, an `m` too large to gain, or a sample that
+    /// misjudged (fewer than m pass).
+    fn pivot(&mut self, m: usize) -> Option<(u32, usize)> {
+        let n = self.lg.len();
+        let sample = (n / 16).clamp(64, 1024);
+        let j = m * sample * 3 / (2 * n) + 2;
+        if n < PIVOT_MIN_VOCAB || j >= sample / 2 {
+            return None;
+        }
+        self.ranks.clear();
+        self.ranks.extend((0..sample).map(|i| rank(self.lg[i * n / sample])));
+        let t = *self.ranks.select_nth_unstable(j).1;
+        let passing = self.lg.iter().map(|&x| u32::from(rank(x) <= t)).sum::<u32>() as usize;
+        (passing >= m).then_some((t, passing))
+    }
+
+    /// `top_k` among the `passing` tokens whose rank is at most `t` (at least k of them): false,
+    /// leaving `cand` to be rebuilt, if the k-th is `t` itself.
+    fn top_k_below(&mut self, t: u32, passing: usize, k: usize) -> bool {
+        // branch-free: write every token, advance past the passing ones
+        self.cand.clear();
+        self.cand.resize(passing + 1, 0);
+        self.ranks.clear();
+        self.ranks.resize(passing + 1, 0);
+        let mut m = 0;
+        for (i, &x) in self.lg.iter().enumerate() {
+            let r = rank(x);
+            self.cand[m] = i as u32;
+            self.ranks[m] = r;
+            m += usize::from(r <= t);
+        }
+        self.kept.clear();
+        self.kept.extend_from_slice(&self.ranks[..passing]);
+        let kth = *self.kept.select_nth_unstable(k - 1).1;
+        if kth == t {
+            return false;
+        }
+        let kth = logit_of(kth);
+        let mut kept = 0;
+        for j in 0..passing {
+            let c = self.cand[j];
+            self.cand[kept] = c;
+            kept += usize::from(self.lg[c as usize].partial_cmp(&kth) != Some(Ordering::Less));
+        }
+        self.cand.truncate(kept);
+        true
     }
 
     /// Candidates without top-k: top-p over the whole vocabulary's softmax, on sorted prefixes
@@ -209,14 +219,31 @@ impl RowSampler {
         let max = self.lg.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         exp_shifted(&mut self.scratch, &self.lg, max); // each exp once, by token
         let sum = self.scratch.iter().map(|&w| w as f64).sum::<f64>() as f32;
-        self.keys.clear();
-        self.keys.extend(self.lg.iter().enumerate().map(|(i, &x)| key(x, i as u32)));
-        let keep = cut_sorted_prefixes(&mut self.keys, &self.scratch, sum, top_p, 64.min(vocab));
+        // a large vocabulary's cut usually falls among its first few hundred tokens: top-p runs
+        // on those at or above a sampled pivot, past where the cut can first fall, and on the
+        // whole row only if the cut is not among them
+        let mut keep = None;
+        if let Some((t, passing)) = self.pivot(least_kept(top_p, sum).max(64).min(vocab)) {
+            self.keys.clear();
+            self.keys.resize(passing + 1, 0);
+            let mut m = 0;
+            for (i, &x) in self.lg.iter().enumerate() {
+                self.keys[m] = key(x, i as u32);
+                m += usize::from(rank(x) <= t);
+            }
+            self.keys.truncate(passing);
+            keep = cut_sorted_prefixes(&mut self.keys, &self.scratch, sum, top_p, 64);
+        }
+        let keep = keep.unwrap_or_else(|| {
+            self.keys.clear();
+            self.keys.extend(self.lg.iter().enumerate().map(|(i, &x)| key(x, i as u32)));
+            cut_sorted_prefixes(&mut self.keys, &self.scratch, sum, top_p, 64).unwrap_or(vocab)
+        });
         self.cand.clear();
         self.cand.extend(self.keys[..keep].iter().map(|&k| id_of(k)));
-        // by candidate now, relative to the first candidate's logit: the same values unless
+        // by candidate now, relative to the largest candidate's logit: the same values unless
         // that is not `max` (a NaN row), when they are computed again
-        let first = self.cand.first().map_or(max, |&c| self.lg[c as usize]);
+        let first = self.keys[..keep].iter().min().map_or(max, |&k| self.lg[id_of(k) as usize]);
         if first.to_bits() == max.to_bits() {
             self.weights.clear();
             self.weights.extend(self.cand.iter().map(|&c| self.scratch[c as usize]));
@@ -235,33 +262,16 @@ impl RowSampler {
     }
 
     /// Top-p after top-k: the mass is the softmax over the candidates, whose weights are in
-    /// `weights`. Walks the candidates by descending logit (ties by id) until the mass before one
-    /// exceeds p: the first 16 by repeated minimum (a peaked row stops after a few), the rest by
-    /// sorting growing prefixes. Leaves the kept candidates and their weights in that order.
+    /// `weights`. Takes the candidates by descending logit (ties by id) until the mass before one
+    /// exceeds p (`cut_sorted_prefixes`, its first sorted prefix 16 or as many as the mass says
+    /// the cut needs). Leaves the kept candidates and their weights, aligned.
     fn cut_top_p(&mut self, top_p: f32) {
-        const WALK: usize = 16;
         let n = self.cand.len();
         let sum = self.weights.iter().map(|&w| w as f64).sum::<f64>() as f32;
         let lg = &self.lg;
         self.keys.clear();
         self.keys.extend(self.cand.iter().enumerate().map(|(j, &c)| key(lg[c as usize], j as u32)));
-        let mut keep = None;
-        let mut acc = 0f64;
-        for j in 0..n.min(WALK) {
-            let (at, _) = self.keys[j..].iter().enumerate().min_by_key(|&(_, &k)| k).expect("j < n");
-            self.keys.swap(j, j + at);
-            let q = self.weights[id_of(self.keys[j]) as usize] / sum;
-            acc += q as f64;
-            if (acc as f32) - q > top_p {
-                keep = Some(j.max(1));
-                break;
-            }
-        }
-        let keep = match keep {
-            Some(keep) => keep,
-            None if n <= WALK => n,
-            None => cut_sorted_prefixes(&mut self.keys, &self.weights, sum, top_p, (WALK * 4).min(n)),
-        };
+        let keep = cut_sorted_prefixes(&mut self.keys, &self.weights, sum, top_p, 16).unwrap_or(n);
         let order = &self.keys[..keep];
         self.kept.clear();
         self.kept.extend(order.iter().map(|&k| self.cand[id_of(k) as usize]));
@@ -284,7 +294,7 @@ impl RowSampler {
     }
 }
 
-/// The race over `weights[i]`, the weight of token `id(i)`: probability q = w / sum, zeroed
+/// The race over `weights[i]`, the weight of token `id(i)`: probability q = w / sum, out of it
 /// under min-p × the largest probability (the largest weight is exp(0) = 1).
 fn race(weights: &[f32], id: impl Fn(usize) -> u32, p: &RowParams) -> Option<u32> {
     let sum = weights.iter().map(|&w| w as f64).sum::<f64>() as f32;
@@ -292,41 +302,13 @@ fn race(weights: &[f32], id: impl Fn(usize) -> u32, p: &RowParams) -> Option<u32
     let mut race = Race::default();
     for (i, &w) in weights.iter().enumerate() {
         let q = w / sum;
-        race.offer(id(i), if q < floor { 0.0 } else { q }, p);
+        // a probability min-p zeroes cannot win (the largest one is never zeroed): not hashed.
+        // Without min-p the floor is 0 and the branch is never taken
+        if q >= floor {
+            race.offer(id(i), q, p);
+        }
     }
     race.winner
-}
-
-/// Top-p over sort keys whose ids index `w` (weights, summing to `sum`): sorts growing prefixes
-/// of `keys` (selected, then sorted; `first` keys, then 4× as many) until the cut falls inside
-/// one. Returns how many keys top-p keeps; `keys[..kept]` are then in order.
-fn cut_sorted_prefixes(keys: &mut [u64], w: &[f32], sum: f32, top_p: f32, first: usize) -> usize {
-    let mut m = first;
-    loop {
-        if m < keys.len() {
-            keys.select_nth_unstable(m - 1);
-        }
-        keys[..m].sort_unstable();
-        let keep = keep_top_p(keys[..m].iter().map(|&k| w[id_of(k) as usize] / sum), top_p);
-        if keep.is_some() || m == keys.len() {
-            return keep.unwrap_or(m);
-        }
-        m = (m * 4).min(keys.len());
-    }
-}
-
-/// How many of the probabilities `q` (by descending logit) top-p keeps: up to the first whose
-/// preceding mass exceeds `top_p` (the prefix sum accumulated in float64 and rounded, minus the
-/// probability itself, in float32); `None` if none does.
-fn keep_top_p(q: impl Iterator<Item = f32>, top_p: f32) -> Option<usize> {
-    let mut acc = 0f64;
-    for (j, q) in q.enumerate() {
-        acc += q as f64;
-        if (acc as f32) - q > top_p {
-            return Some(j.max(1));
-        }
-    }
-    None
 }
 
 /// The best p / E offered so far (the first one offered wins ties, as an argmax does).
@@ -337,28 +319,23 @@ struct Race {
 }
 
 impl Race {
+    /// Every offer hashes its token: skipping the hash for a probability below best × `U_MIN`
+    /// (which cannot win either) was a branch the processor mispredicted on rows whose
+    /// probabilities span many orders of magnitude, and cost more than the hash. What is left is
+    /// one branch, almost never taken once a winner is set.
     #[inline]
     fn offer(&mut self, token: u32, q: f32, p: &RowParams) {
         let q = q as f64;
-        if self.winner.is_some() {
-            // p / E <= p / (1 - u) <= p / U_MIN: skip what provably cannot beat the best
-            let margin = self.best * (1.0 - 1e-9);
-            if q < margin * U_MIN {
-                return;
-            }
-            let u = uniform(p.seed, p.position, token as i64);
-            if q < margin * (1.0 - u) {
-                return; // q / (1 - u) < margin, without a division
-            }
-            let r = q / -u.ln();
-            if r > self.best {
-                (self.best, self.winner) = (r, Some(token));
-            }
-        } else {
-            let r = q / -uniform(p.seed, p.position, token as i64).ln();
-            if !r.is_nan() {
-                (self.best, self.winner) = (r, Some(token));
-            }
+        let u = uniform(p.seed, p.position, token as i64);
+        // p / E <= p / (1 - u) since E = -ln(u) >= 1 - u: below the best, it cannot win
+        // (0 before the first offer: every finite one goes on)
+        let margin = self.best * (1.0 - 1e-9);
+        if q < margin * (1.0 - u) || q.is_nan() {
+            return;
+        }
+        let r = q / -u.ln();
+        if self.winner.is_none() || r > self.best {
+            (self.best, self.winner) = (r, Some(token));
         }
     }
 }
@@ -410,6 +387,69 @@ mod tests {
             }
         }
         best.1
+    }
+
+    /// Every filter by its definition: the vocabulary sorted, top-k by its k-th largest, top-p
+    /// by prefix sums in that order, min-p, then the race with every logarithm taken.
+    fn naive_filtered(logits: &[f32], p: &RowParams) -> u32 {
+        let lg: Vec<f32> = logits.iter().map(|&x| x / p.temperature).collect();
+        let mut order: Vec<u32> = (0..lg.len() as u32).collect();
+        order.sort_by(|&a, &b| lg[b as usize].total_cmp(&lg[a as usize]).then(a.cmp(&b)));
+        let mut cand: Vec<u32> = order.clone();
+        if p.top_k > 0 && (p.top_k as usize) < lg.len() {
+            let kth = lg[order[p.top_k as usize - 1] as usize];
+            cand.retain(|&c| lg[c as usize] >= kth);
+        }
+        let max = lg[cand[0] as usize];
+        let w: Vec<f32> = cand.iter().map(|&c| exp_nonpositive(lg[c as usize] - max)).collect();
+        let sum = w.iter().map(|&w| w as f64).sum::<f64>() as f32;
+        let mut keep = cand.len();
+        if p.top_p < 1.0 {
+            let mut acc = 0f64;
+            for (j, &w) in w.iter().enumerate() {
+                let q = w / sum;
+                acc += q as f64;
+                if (acc as f32) - q > p.top_p {
+                    keep = j.max(1);
+                    break;
+                }
+            }
+        }
+        let sum = w[..keep].iter().map(|&w| w as f64).sum::<f64>() as f32;
+        let mut best = (f64::NEG_INFINITY, 0);
+        for (&c, &w) in cand[..keep].iter().zip(&w) {
+            let q = w / sum;
+            let q = if q < p.min_p * (1.0 / sum) { 0.0 } else { q };
+            let r = q as f64 / -uniform(p.seed, p.position, c as i64).ln();
+            if r > best.0 {
+                best = (r, c);
+            }
+        }
+        best.1
+    }
+
+    #[test]
+    fn filters_match_their_definition() {
+        // vocabularies on both sides of the sampled top-k pivot, flat and peaked rows, ties
+        let mut s = RowSampler::default();
+        for (vocab, scale) in [(259, 0.2f32), (259, 8.0), (3000, 0.5), (3000, 20.0), (2048, 3.0)] {
+            for seed in 0..40 {
+                let mut lg = logits(vocab, seed as u64 + 100, scale);
+                if seed % 4 == 1 {
+                    lg.iter_mut().for_each(|x| *x = (*x * 2.0).round() / 2.0); // many ties
+                }
+                if seed % 4 == 2 {
+                    lg.iter_mut().step_by(3).for_each(|x| *x = if *x < 0.0 { -0.0 } else { 0.0 });
+                }
+                for top_k in [-1, 1, 5, 50, 200] {
+                    for (top_p, min_p) in [(1.0, 0.0), (0.9, 0.0), (0.5, 0.05), (0.99, 0.0)] {
+                        let p = RowParams { temperature: 0.8, top_k, top_p, min_p, seed, position: 11 };
+                        let want = naive_filtered(&lg, &p);
+                        assert_eq!(s.sample(&lg, &p), want, "vocab {vocab} scale {scale} seed {seed} {p:?}");
+                    }
+                }
+            }
+        }
     }
 
     fn logits(n: usize, seed: u64, scale: f32) -> Vec<f32> {

@@ -14,7 +14,7 @@
 //! Dtypes follow the Python sampler (float32 probabilities, float64 race, the top-p prefix sums
 //! accumulated in float64 as torch does on the CPU), so both pick the same token except where two
 //! candidates tie to within rounding, or the mass before a token lies within float64 rounding
-//! of top-p (a block of surely kept tokens has its mass summed in its own order).
+//! of a float32 boundary (a block of surely kept tokens has its mass summed in its own order).
 //!
 //! What makes it cheap:
 //! - top-k by selection (O(V)) of the k-th largest logit and one pass for the tokens not below
@@ -90,18 +90,22 @@ const PIVOT_MIN_VOCAB: usize = 2048;
 pub struct RowSampler {
     /// The row's scaled logits.
     lg: Vec<f32>,
-    /// The survivors' token ids: after top-k in id order, once sorted by descending logit.
+    /// The survivors' token ids: after top-k in id order; after top-p in the order of its cut
+    /// (blocks by descending logit, each unordered, the last sorted).
     cand: Vec<u32>,
-    /// Selection buffer of sort keys: every token's (top-p alone) or every candidate's.
+    /// Selection buffer of sort keys: every token's, or those above a pivot (top-p alone), or
+    /// every candidate's.
     keys: Vec<u64>,
-    /// Top-k's selection buffer: every token's `rank`.
+    /// Top-k's selection buffer: every token's `rank`, or the passing tokens' (`top_k_below`);
+    /// `pivot`'s strided sample.
     ranks: Vec<u32>,
     /// Unnormalized probabilities exp(x - max): by token for the race over the whole vocabulary;
     /// by candidate, aligned with `cand`, once a filter has chosen the candidates.
     weights: Vec<f32>,
     /// Scratch: the candidates' logits; top-p alone, the weights by token.
     scratch: Vec<f32>,
-    /// Scratch for the kept candidates' ids while `cand` is reordered.
+    /// Scratch for the kept candidates' ids while `cand` is reordered; `top_k_below`'s
+    /// selection over the passing ranks.
     kept: Vec<u32>,
 }
 
@@ -211,9 +215,9 @@ impl RowSampler {
         true
     }
 
-    /// Candidates without top-k: top-p over the whole vocabulary's softmax, on sorted prefixes
-    /// of growing length until the cut falls inside one (or the prefix is the vocabulary).
-    /// Leaves the candidates' weights in `weights`.
+    /// Candidates without top-k: top-p over the whole vocabulary's softmax (`cut_sorted_prefixes`
+    /// on the tokens above a pivot first, at a large vocabulary, then on every token if the cut
+    /// is not among them). Leaves the candidates' weights in `weights`.
     fn top_p_prefix(&mut self, top_p: f32) {
         let vocab = self.lg.len();
         let max = self.lg.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -263,8 +267,8 @@ impl RowSampler {
 
     /// Top-p after top-k: the mass is the softmax over the candidates, whose weights are in
     /// `weights`. Takes the candidates by descending logit (ties by id) until the mass before one
-    /// exceeds p (`cut_sorted_prefixes`, its first sorted prefix 16 or as many as the mass says
-    /// the cut needs). Leaves the kept candidates and their weights, aligned.
+    /// exceeds p (`cut_sorted_prefixes`: blocks surely kept, then sorted prefixes from 16).
+    /// Leaves the kept candidates and their weights, aligned.
     fn cut_top_p(&mut self, top_p: f32) {
         let n = self.cand.len();
         let sum = self.weights.iter().map(|&w| w as f64).sum::<f64>() as f32;
@@ -295,14 +299,17 @@ impl RowSampler {
 }
 
 /// The race over `weights[i]`, the weight of token `id(i)`: probability q = w / sum, out of it
-/// under min-p × the largest probability (the largest weight is exp(0) = 1).
+/// under min-p × the largest probability (the largest weight is exp(0) = 1). A min-p outside
+/// [0, 1] (the engine refuses one) counts as 0 below and 1 above, NaN as 0.
 fn race(weights: &[f32], id: impl Fn(usize) -> u32, p: &RowParams) -> Option<u32> {
     let sum = weights.iter().map(|&w| w as f64).sum::<f64>() as f32;
-    let floor = p.min_p * (1.0 / sum);
+    let min_p = if p.min_p > 0.0 { p.min_p.min(1.0) } else { 0.0 };
+    let floor = min_p * (1.0 / sum);
     let mut race = Race::default();
     for (i, &w) in weights.iter().enumerate() {
         let q = w / sum;
-        // a probability min-p zeroes cannot win (the largest one is never zeroed): not hashed.
+        // a probability min-p zeroes cannot win (the largest one is never zeroed, min-p being at
+        // most 1): not hashed.
         // Without min-p the floor is 0 and the branch is never taken
         if q >= floor {
             race.offer(id(i), q, p);
@@ -322,7 +329,7 @@ impl Race {
     /// Every offer hashes its token: skipping the hash for a probability below best × `U_MIN`
     /// (which cannot win either) was a branch the processor mispredicted on rows whose
     /// probabilities span many orders of magnitude, and cost more than the hash. What is left is
-    /// one branch, almost never taken once a winner is set.
+    /// a return taken for almost every token once a winner is set, which the processor predicts.
     #[inline]
     fn offer(&mut self, token: u32, q: f32, p: &RowParams) {
         let q = q as f64;
@@ -426,6 +433,22 @@ mod tests {
             }
         }
         best.1
+    }
+
+    #[test]
+    fn a_min_p_out_of_range_counts_as_its_nearest_end() {
+        let mut s = RowSampler::default();
+        let lg = logits(300, 3, 8.0);
+        let argmax = (0..300).max_by(|&a, &b| lg[a].total_cmp(&lg[b])).unwrap() as u32;
+        for seed in 0..50 {
+            for top_p in [1.0, 0.9] {
+                let p = RowParams { top_p, ..params(seed) };
+                assert_eq!(s.sample(&lg, &RowParams { min_p: 2.0, ..p }), argmax);
+                let off = s.sample(&lg, &RowParams { min_p: 0.0, ..p });
+                assert_eq!(s.sample(&lg, &RowParams { min_p: f32::NAN, ..p }), off);
+                assert_eq!(s.sample(&lg, &RowParams { min_p: -1.0, ..p }), off);
+            }
+        }
     }
 
     #[test]

@@ -8,30 +8,13 @@
 //! top-p then keeps nearly every top-k survivor and the race visits them all.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use ferryman_core::sampling::uniform;
 use ferryman_core::{sample_rows, RowParams};
+
+mod common;
+use common::{logits, FILTERS};
 
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-/// (name, top_k, top_p, min_p)
-const FILTERS: [(&str, i64, f32, f32); 5] = [
-    ("temperature", -1, 1.0, 0.0),
-    ("top_k=50", 50, 1.0, 0.0),
-    ("top_p=0.9", -1, 0.9, 0.0),
-    ("top_k=50,top_p=0.9", 50, 0.9, 0.0),
-    ("min_p=0.05", -1, 1.0, 0.05),
-];
-
-/// `rows` rows of `vocab` logits, N(0, `std`²).
-fn logits(rows: usize, vocab: usize, std: f64) -> Vec<f32> {
-    (0..rows * vocab)
-        .map(|i| {
-            let (u1, u2) = (uniform(1, i as i64, 0), uniform(2, i as i64, 0));
-            (std * (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
-        })
-        .collect()
-}
 
 fn bench(c: &mut Criterion) {
     for (vocab, batch, std) in [(259usize, 256usize, 4.0), (259, 256, 0.2), (49_152, 8, 4.0)] {

@@ -81,8 +81,9 @@ pub fn uniform(seed: i64, position: i64, token: i64) -> f64 {
     u.clamp(U_MIN, 1.0 - U_MIN)
 }
 
-/// The least vocabulary whose top-k goes through a sampled pivot (below it, selecting over the
-/// whole row measured faster: at 259 the pivot's extra passes cost more than they saved).
+/// The least vocabulary whose top-k, or top-p alone, first runs on the tokens above a sampled
+/// pivot (below it, selecting over the whole row measured faster: at 259 the pivot's extra
+/// passes cost more than they saved).
 const PIVOT_MIN_VOCAB: usize = 2048;
 
 /// Reusable buffers: sampling many rows allocates once.
@@ -104,8 +105,7 @@ pub struct RowSampler {
     weights: Vec<f32>,
     /// Scratch: the candidates' logits; top-p alone, the weights by token.
     scratch: Vec<f32>,
-    /// Scratch for the kept candidates' ids while `cand` is reordered; `top_k_below`'s
-    /// selection over the passing ranks.
+    /// Scratch for the kept candidates' ids while `cand` is reordered.
     kept: Vec<u32>,
 }
 
@@ -198,9 +198,8 @@ impl RowSampler {
             self.ranks[m] = r;
             m += usize::from(r <= t);
         }
-        self.kept.clear();
-        self.kept.extend_from_slice(&self.ranks[..passing]);
-        let kth = *self.kept.select_nth_unstable(k - 1).1;
+        // the filter below compares logits, so the ranks can be reordered in place
+        let kth = *self.ranks[..passing].select_nth_unstable(k - 1).1;
         if kth == t {
             return false;
         }

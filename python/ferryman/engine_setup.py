@@ -61,6 +61,9 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def build_parts(args: EngineArgs) -> EngineParts:
     device = resolve_device(args.device)
+    if device.type == "cuda" and device.index is not None:
+        # streams, events and graph captures that name no device take the current one
+        torch.cuda.set_device(device)
     dtype = resolve_dtype(args.dtype, device)
     path = resolve_model_path(args.model, weights=args.load_format != "dummy")
     n = args.tensor_parallel_size
@@ -81,8 +84,9 @@ def build_parts(args: EngineArgs) -> EngineParts:
     num_device_blocks = args.num_device_blocks
     if num_device_blocks is None and device.type == "cuda":
         num_device_blocks = profile_kv_blocks(
-            model, block_size, budget, bpb, args.gpu_memory_utilization, args.attention_backend
-        )
+            model, block_size, budget, bpb, args.gpu_memory_utilization, args.attention_backend,
+            args.max_num_seqs,
+        )  # fmt: skip
     elif num_device_blocks is None:
         num_device_blocks = max(1, args.kv_cache_memory // bpb)
     num_host_blocks = args.num_host_blocks

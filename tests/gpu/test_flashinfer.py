@@ -224,11 +224,14 @@ def test_cuda_graphs_replay_decode_with_the_eager_output(tmp_path: Path) -> None
     assert eager.stats()["num_cuda_graph_steps"] == 0
 
 
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_overlap_on_and_off_give_identical_greedy_output_on_gpu(tmp_path: Path, mode: str) -> None:
-    """Async scheduling on CUDA (worker thread, in-flight inputs filled on the device, ids back
-    through pinned memory and an event; decode replays CUDA graphs) against the synchronous
-    engine, under forced preemption."""
+def test_overlap_on_and_off_give_identical_output_on_gpu(tmp_path: Path, mode: str, sampling: str) -> None:
+    """Async scheduling on CUDA (step N+1 queued on the device while the host applies step N,
+    in-flight inputs filled on the device, ids back through pinned memory and an event; decode
+    replays CUDA graphs) against the synchronous engine, under forced preemption: greedy, and
+    seeded sampling with every filter, penalties and a logit bias (the sampler's indices reach
+    the device without a wait)."""
     from tiny_models import build
 
     from ferryman.engine import Engine
@@ -236,7 +239,16 @@ def test_overlap_on_and_off_give_identical_greedy_output_on_gpu(tmp_path: Path, 
 
     path = str(build("llama", tmp_path, hidden_size=256, intermediate_size=512))
     prompts = [[*range(20, 44), i, i + 1] for i in range(6)]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params: SamplingParams | list[SamplingParams] = greedy
+    if sampling == "seeded":
+        params = [
+            SamplingParams(
+                temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, seed=i, max_tokens=24, ignore_eos=True,
+                presence_penalty=0.5, repetition_penalty=1.1, logit_bias={30 + i: 2.0},
+            )
+            for i in range(6)
+        ]  # fmt: skip
     kw = {
         "device": "cuda",
         "dtype": GREEDY_DTYPE,
@@ -256,6 +268,19 @@ def test_overlap_on_and_off_give_identical_greedy_output_on_gpu(tmp_path: Path, 
     st = overlap.stats()
     assert st["num_preemptions"] > 0 and st["num_cuda_graph_steps"] > 0
     assert st["num_free_device_blocks"] == 8 and st["num_free_host_blocks"] == 32
+
+
+def test_to_device_copies_without_waiting_for_the_stream() -> None:
+    """A copy queued behind a long kernel returns at once and lands with the right values (a
+    pageable copy would wait for the kernel first)."""
+    from ferryman.worker.transfer import to_device
+
+    queued = torch.cuda.Event()
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s of device time
+    queued.record()
+    t = to_device(np.arange(10, dtype=np.int64)[::2], torch.device("cuda"))  # strided on purpose
+    assert not queued.query(), "the copy waited for the kernel queued before it"
+    assert t.dtype == torch.int64 and t.cpu().tolist() == [0, 2, 4, 6, 8]
 
 
 def test_kv_pool_is_sized_from_gpu_memory_utilization(tmp_path: Path) -> None:

@@ -92,6 +92,7 @@ def test_rope_scaling_matches_transformers_past_the_original_context(
     same weights with plain RoPE differ, so the scaling is what is compared."""
     path = build(kind, tmp_path, rope_scaling=dict(scaling))  # type: ignore[arg-type]
     model, _ = load_model(path, torch.float32, CPU)
+    assert not any(p.requires_grad for p in model.parameters())  # no autograd (CUDA graph captures)
     ids = long_ids(model.cfg.vocab_size)
     want, got = theirs(path, ids), ours(model, ids)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

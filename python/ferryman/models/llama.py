@@ -178,7 +178,9 @@ class LlamaForCausalLM(nn.Module):
         model.load_hf_state_dict(tensors, sliced)
         model = model.to(device=device, dtype=dtype)  # copies only what is elsewhere or in another dtype
         model.inv_freq = rope_inv_freq(cfg).to(device)  # not a checkpoint tensor: still on meta
-        return model.eval()
+        # inference only: a CUDA graph captured outside inference mode would otherwise keep an
+        # autograd graph of its activations alive in the graphs' memory pool
+        return model.eval().requires_grad_(False)
 
     @classmethod
     def random(

@@ -5,6 +5,7 @@ cores; ``Engine.calibration_s`` records it."""
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 from ferryman._core import RequestParams, Scheduler, SchedulerConfig
 from ferryman.worker.kv_cache import KvCache
 from ferryman.worker.model_runner import ModelRunner
+from ferryman.worker.sampler import Filters, sample_random
 
 
 def _sync(device: torch.device) -> None:
@@ -73,10 +75,12 @@ def profile_kv_blocks(
     bytes_per_block: int,
     gpu_memory_utilization: float,
     attention_backend: str = "auto",
+    max_num_seqs: int = 256,
 ) -> int:
     """Device KV blocks for a CUDA deployment (vLLM's sizing): run one prefill forward at the
-    full token budget on a throw-away pool, then give KV what is left of
-    ``total * gpu_memory_utilization`` after the weights, that forward's peak activations and
+    full token budget on a throw-away pool, and the sampler over ``max_num_seqs`` random rows
+    with every filter (its sort of the vocabulary is its peak), then give KV what is left of
+    ``total * gpu_memory_utilization`` after the weights, the larger of those two peaks and
     memory other processes hold. Not run on a GPU yet (``scripts/gpu_check.sh`` covers it)."""
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
@@ -93,6 +97,7 @@ def profile_kv_blocks(
         max_model_len=max_num_batched_tokens + 1,
     )  # fmt: skip
     prefill_tokens_per_s(runner, block_size, blocks, num_tokens=max_num_batched_tokens)
+    _sample_full_batch(max_num_seqs, cfg.vocab_size, device)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - tmp.device_kv.numel() * tmp.device_kv.element_size()
     free, total = torch.cuda.mem_get_info(device)
@@ -106,3 +111,20 @@ def profile_kv_blocks(
             f"activations take {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB"
         )
     return int(kv_bytes // bytes_per_block)
+
+
+def _sample_full_batch(rows: int, vocab: int, device: torch.device) -> None:
+    """The sampler's largest step: ``rows`` random rows of float32 logits with top-k, top-p and
+    min-p on (one sort of the vocabulary, float64 noise and probabilities)."""
+    logits = torch.randn(rows, vocab, device=device)
+    full = functools.partial(torch.full, (rows,), device=device)
+    sample_random(
+        logits,
+        full(1.0),
+        full(50, dtype=torch.int64),
+        full(0.9),
+        full(0.05),
+        full(0, dtype=torch.int64),
+        full(0, dtype=torch.int64),
+        Filters(top_k=True, top_p=True, min_p=True),
+    )

@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ferryman.worker.transfer import to_device
+
 
 def apply_grammar(
     logits: torch.Tensor, samples: np.ndarray, masks: np.ndarray, fallback: torch.Tensor | None = None
@@ -21,7 +23,7 @@ def apply_grammar(
     the grammar wins. A new tensor (the raw logits stay for logprobs); no wait for the device."""
     dev = logits.device
     bias = grammar_bias(masks, logits.shape[1], dev).to(logits.dtype)
-    rows = torch.from_numpy(samples.astype(np.int64)).to(dev)
+    rows = to_device(samples.astype(np.int64), dev)
     masked = logits.index_select(0, rows) + bias
     if fallback is not None:
         dead = masked.amax(dim=-1, keepdim=True) == float("-inf")
@@ -36,7 +38,7 @@ def grammar_bias(masks: np.ndarray, vocab: int, dev: torch.device, numpy: bool |
     if dev.type == "cpu" if numpy is None else numpy:
         bits = np.unpackbits(masks.view(np.uint8), axis=1, count=vocab, bitorder="little")
         return torch.from_numpy(np.where(bits.astype(bool), np.float32(0), np.float32("-inf"))).to(dev)
-    words = torch.from_numpy(masks.view(np.int32)).to(dev)
+    words = to_device(masks.view(np.int32), dev)
     bits_t = (words[:, :, None] >> torch.arange(32, dtype=torch.int32, device=dev)) & 1
     allowed = bits_t.reshape(len(masks), -1)[:, :vocab].bool()
     if allowed.shape[1] < vocab:

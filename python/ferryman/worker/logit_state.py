@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ferryman.worker.transfer import to_device
+
 _NONE = np.zeros(0, np.int64)
 
 
@@ -156,12 +158,10 @@ class LogitState:
         lg, dev = logits.clone(), logits.device
 
         def on(samples: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-            return torch.from_numpy(samples).to(dev), torch.from_numpy(rows[samples].astype(np.int64)).to(dev)
+            return to_device(samples, dev), to_device(rows[samples].astype(np.int64), dev)
 
         if adj.suppress is not None:
-            lg[torch.from_numpy(adj.suppress[0]).to(dev), torch.from_numpy(adj.suppress[1]).to(dev)] = float(
-                "-inf"
-            )
+            lg[to_device(adj.suppress[0], dev), to_device(adj.suppress[1], dev)] = float("-inf")
         if len(adj.biased):
             assert self.bias_ids is not None and self.bias_vals is not None
             idx, r = on(adj.biased)
@@ -184,8 +184,8 @@ class LogitState:
         if not len(adj.count) or self.counts is None:
             return
         dev = tokens.device
-        r = torch.from_numpy(rows[adj.count].astype(np.int64)).to(dev)
-        t = tokens[torch.from_numpy(adj.count).to(dev)].long()
+        r = to_device(rows[adj.count].astype(np.int64), dev)
+        t = tokens[to_device(adj.count, dev)].long()
         self.counts.index_put_((r, t), torch.ones_like(t, dtype=torch.int32), accumulate=True)
 
 

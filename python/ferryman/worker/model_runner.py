@@ -28,6 +28,7 @@ from ferryman.models.llama import LlamaForCausalLM
 from ferryman.models.ops import Shapes, select_ops
 from ferryman.worker.block_table import BlockTable
 from ferryman.worker.kv_cache import KvCache
+from ferryman.worker.transfer import to_device
 
 
 class ModelRunner:
@@ -109,7 +110,7 @@ class ModelRunner:
             positions = torch.from_numpy(step.positions).to(self.device)
             hidden = self.model(input_ids, positions, self.attn, self.ops)
         at = out.logits_indices if also is None else np.concatenate([out.logits_indices, also])
-        return self.model.compute_logits(hidden[torch.from_numpy(at).to(self.device)])
+        return self.model.compute_logits(hidden[to_device(at, self.device)])  # no wait for the forward
 
     def _inflight_inputs(
         self, out: SchedulerOutput, prev: torch.Tensor | None

@@ -15,6 +15,7 @@ from ferryman.sampling_params import GREEDY_BELOW
 from ferryman.worker.grammar_mask import apply_grammar as apply_grammar  # looked up here per call
 from ferryman.worker.logit_state import Adjust, LogitState, PromptArgs, adjust_args, prompt_args
 from ferryman.worker.sampler import Filters, gather_logprobs, sample_random
+from ferryman.worker.transfer import to_device
 
 if TYPE_CHECKING:
     from ferryman.sampling_params import SamplingParams
@@ -237,10 +238,10 @@ class SamplingTable:
             else:  # the random samples' parameters by their rows; no device-side test of any
                 dev = logits.device
                 sel = a.random
-                r = torch.from_numpy(rows[sel].astype(np.int64)).to(dev)
+                r = to_device(rows[sel].astype(np.int64), dev)
                 p = {c: self.by_row[c][r] for c in RANDOM_COLUMNS}
-                forks = torch.from_numpy(seq_indices[sel].astype(np.int64)).to(dev)
-                idx = torch.from_numpy(sel).to(dev)
+                forks = to_device(seq_indices[sel].astype(np.int64), dev)
+                idx = to_device(sel, dev)
                 chosen = sample_random(
                     logits.index_select(0, idx),
                     p["temperature"],
@@ -248,7 +249,7 @@ class SamplingTable:
                     p["top_p"],
                     p["min_p"],
                     p["seed"] + FORK_SEED_STRIDE * forks,
-                    torch.from_numpy(positions[sel].astype(np.int64)).to(dev),
+                    to_device(positions[sel].astype(np.int64), dev),
                     a.filters,
                 )
                 tokens = best_t.index_copy(0, idx, chosen).to(torch.int32)

@@ -114,5 +114,5 @@ class StepWorker:
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        ready.record()
+        ready.record(torch.cuda.current_stream(tokens.device))  # the copy's stream
         return Sampled(host, lps, ready, prompt_lps)

@@ -32,6 +32,11 @@ them all: the report says how many preemptions happened (none is expected).
     python benchmarks/host_overhead.py --output-kind final_only       # what generate() pays
     python benchmarks/host_overhead.py --split-append               # detokenization apart
     python benchmarks/host_overhead.py --requests 8 --steps 4 --json  # the CI smoke (test_engine)
+    python benchmarks/host_overhead.py --model smollm2 --requests 32 --scenarios sampled
+                                                                  # a real vocabulary (49,152)
+
+``--model`` runs another checkpoint instead of the tiny one (a path, or ``smollm2``: the
+embedded default); its prompts are the same strings, however many tokens they make.
 """
 
 from __future__ import annotations
@@ -241,7 +246,7 @@ def table(report: dict[str, Any]) -> str:
     cols = [*PHASES, *(["append"] if "append" in seen else []), "rest"]
     head = f"{'scenario':<9}{'host':>8}" + "".join(f"{c:>10}" for c in cols) + f"{'fwd ms':>9}{'step ms':>9}"
     lines = [
-        f"{report['requests']} requests decoding, {report['steps']} timed steps, "
+        f"{report['model']}: {report['requests']} requests decoding, {report['steps']} timed steps, "
         f"torch threads {report['torch_threads']}: medians, host and phases in µs per output token",
         head,
     ]
@@ -263,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=64, help="timed decode steps per scenario")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated of {SCENARIOS}")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--model", help="a checkpoint (path, or 'smollm2') instead of the tiny random Llama")
     p.add_argument(
         "--output-kind",
         default="cumulative",
@@ -284,9 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.requests < 1 or a.steps < 1:
         p.error("--requests and --steps must be >= 1")
     with tempfile.TemporaryDirectory() as tmp:
-        model = str(build_model(Path(tmp), PROMPT_LEN + a.steps + 64))
+        model = a.model or str(build_model(Path(tmp), PROMPT_LEN + a.steps + 64))
         scenarios = {s: run(model, s, a.requests, a.steps, a.split_append, a.output_kind) for s in names}
     report = {
+        "model": a.model or "tiny random Llama",
         "output_kind": a.output_kind,
         "requests": a.requests,
         "steps": a.steps,

@@ -231,6 +231,9 @@ pub struct PyStepOutputs {
     /// Rows whose token was applied (the others were dropped: `num_output_tokens` 0).
     #[pyo3(get)]
     num_generated: usize,
+    /// Rows whose token is their sequence's first output token (`num_output_tokens` 1).
+    #[pyo3(get)]
+    num_first_tokens: usize,
 }
 
 impl PyStepOutputs {
@@ -238,6 +241,7 @@ impl PyStepOutputs {
         Self {
             len: o.new_token_ids.len(),
             num_generated: o.num_generated,
+            num_first_tokens: o.num_output_tokens.iter().filter(|&&n| n == 1).count(),
             req_ids: Lazy::Rust(o.req_ids),
             seq_indices: Lazy::Rust(o.seq_indices),
             new_token_ids: Lazy::Rust(o.new_token_ids),

@@ -268,6 +268,9 @@ class StepOutputs:
     @property
     def num_generated(self) -> int:
         """Rows whose token was applied: S less the dropped ones (``num_output_tokens`` 0)."""
+    @property
+    def num_first_tokens(self) -> int:
+        """Rows whose token is their sequence's first output token (``num_output_tokens`` 1)."""
     def __len__(self) -> int: ...
 
 @final

@@ -68,12 +68,13 @@ class OutputProcessor:
         """The outputs of one ``update()`` (``lps``: each row's logprobs, or None)."""
         reqs = self.reqs
         ids_np = res.req_ids
-        for rid in ids_np[res.num_output_tokens == 1].tolist():
-            st = reqs.get(rid)
-            if st is not None and st.metrics.first_token_time is None:
-                st.metrics.first_token_time = now
-                if st.metrics.first_scheduled_time is None:  # a prompt the prefix cache held whole
-                    st.metrics.first_scheduled_time = now
+        if res.num_first_tokens:  # only steps that finish a prompt
+            for rid in ids_np[res.num_output_tokens == 1].tolist():
+                st = reqs.get(rid)
+                if st is not None and st.metrics.first_token_time is None:
+                    st.metrics.first_token_time = now
+                    if st.metrics.first_scheduled_time is None:  # a prompt the prefix cache held whole
+                        st.metrics.first_scheduled_time = now
         fin = res.finished_rows.tolist()
         if not self._num_per_row and not fin:
             return []

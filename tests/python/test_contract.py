@@ -96,13 +96,13 @@ def test_every_output_array_has_its_dtype_and_shape() -> None:
     assert out.num_scheduled_tokens == 9 and out.step == 0
     assert (out.num_scheduled_seqs, out.num_blocks_swapped_out, out.num_blocks_swapped_in) == (2, 0, 0)
     res = s.update(np.array([7, 8, 9], dtype=np.int32))
-    assert len(res) == res.num_generated == 3
+    assert len(res) == res.num_generated == res.num_first_tokens == 3  # every row's first token
     assert res.new_token_ids.dtype == np.int32 and list(res.new_token_ids) == [7, 8, 9]
     assert res.req_ids.dtype == np.int64 and list(res.seq_indices) == [0, 1, 0]
     assert res.finish_reasons == [None, None, None]
     out = s.schedule()  # the two forks copy-on-write into the shared partial block
     assert out.blocks_to_copy.shape == (1, 2) and out.num_blocks_copied == 1
-    s.update([1, 2, 3])  # a list is accepted too
+    assert s.update([1, 2, 3]).num_first_tokens == 0  # a list is accepted too
     k = len(s.schedule().sample_req_ids)
     ids = np.zeros(2 * k, dtype=np.int32)
     ids[1::2] = np.arange(4, 4 + k)
@@ -272,5 +272,5 @@ def test_num_generated_leaves_out_dropped_samples() -> None:
     out = s.schedule()
     assert s.abort_request(2)  # after its sample was planned: update() drops it
     res = s.update(np.ones(len(out.logits_indices), dtype=np.int32))
-    assert (len(res), res.num_generated) == (2, 1)
+    assert (len(res), res.num_generated, res.num_first_tokens) == (2, 1, 1)  # a dropped row is no first
     assert res.num_output_tokens.tolist() == [1, 0]

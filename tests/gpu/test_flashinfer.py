@@ -275,10 +275,13 @@ def test_to_device_copies_without_waiting_for_the_stream() -> None:
     pageable copy would wait for the kernel first)."""
     from ferryman.worker.transfer import to_device
 
+    cuda = torch.device("cuda")
+    to_device(np.zeros(8, dtype=np.int64), cuda)  # the first page-locked allocation itself syncs
+    torch.cuda.synchronize()
     queued = torch.cuda.Event()
     torch.cuda._sleep(1_000_000_000)  # ~0.5 s of device time
     queued.record()
-    t = to_device(np.arange(10, dtype=np.int64)[::2], torch.device("cuda"))  # strided on purpose
+    t = to_device(np.arange(10, dtype=np.int64)[::2], cuda)  # strided on purpose
     assert not queued.query(), "the copy waited for the kernel queued before it"
     assert t.dtype == torch.int64 and t.cpu().tolist() == [0, 2, 4, 6, 8]
 

@@ -17,8 +17,9 @@ view of the block-major cache (FlashInfer accepts the block stride). ``PlanArgs`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -57,7 +58,14 @@ def plan_metadata(out: StepInputs, pin: bool = False) -> PlanMetadata:
 
 @dataclass(frozen=True, slots=True)
 class PlanArgs:
-    """What every FlashInfer ``plan()`` call of one model takes besides its page table."""
+    """What every FlashInfer ``plan()`` call of one model takes besides its page table.
+
+    A wrapper's ``plan()`` writes its metadata into a page-locked buffer of its own and queues a
+    copy from it to the device; the next ``plan()`` of that wrapper rewrites the buffer at once.
+    With async scheduling nothing else guarantees that the copy has run by then (a step with no
+    decode input in flight makes no other copy that waits for the step before), so each plan
+    first waits for the event recorded after that wrapper's previous plan: almost always long
+    past, so it costs no wait, only an event per plan."""
 
     num_qo_heads: int
     num_kv_heads: int
@@ -65,17 +73,35 @@ class PlanArgs:
     block_size: int
     dtype: torch.dtype  # of q and of the KV cache
     scale: float
+    device: torch.device | None = None  # the wrappers' (None: stand-ins in a CPU test, no events)
+    # the event after each wrapper's last plan (by id; a wrapper lives as long as its backend)
+    planned: dict[int, Any] = field(default_factory=dict, compare=False)
 
     def plan_decode(
         self, wrapper: Any, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor
     ) -> None:
-        wrapper.plan(kv_indptr, kv_indices, kv_last_page_len, *self._shape(), **self._types())
+        with self._after_last_plan(wrapper):
+            wrapper.plan(kv_indptr, kv_indices, kv_last_page_len, *self._shape(), **self._types())
 
     def plan_prefill(self, wrapper: Any, m: PlanMetadata) -> None:
         """Causal: FlashInfer aligns the mask bottom-right, as chunked prefill over cached context
         needs."""
         page_table = (m.qo_indptr, m.kv_indptr, m.kv_indices, m.kv_last_page_len)
-        wrapper.plan(*page_table, *self._shape(), causal=True, **self._types())
+        with self._after_last_plan(wrapper):
+            wrapper.plan(*page_table, *self._shape(), causal=True, **self._types())
+
+    @contextlib.contextmanager
+    def _after_last_plan(self, wrapper: Any) -> Iterator[None]:
+        if self.device is None or self.device.type != "cuda":
+            yield
+            return
+        last = self.planned.get(id(wrapper))
+        if last is not None:
+            last.synchronize()
+        yield
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record(torch.cuda.current_stream(self.device))  # where the plan's copy went
+        self.planned[id(wrapper)] = done
 
     def _shape(self) -> tuple[int, int, int, int]:
         return self.num_qo_heads, self.num_kv_heads, self.head_dim, self.block_size
@@ -106,7 +132,9 @@ class FlashInferBackend:
 
         self.layers = list(kv_layers)
         self.device = device = self.layers[0].device
-        self.args = PlanArgs(num_qo_heads, num_kv_heads, head_dim, block_size, self.layers[0].dtype, scale)
+        self.args = PlanArgs(
+            num_qo_heads, num_kv_heads, head_dim, block_size, self.layers[0].dtype, scale, device
+        )
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)  # graphs share it
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="NHD")
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(

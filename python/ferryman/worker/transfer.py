@@ -7,8 +7,11 @@ array in pinned memory (PyTorch's caching host allocator, which keeps the buffer
 has run) and copies it without a wait. On the CPU it is ``torch.from_numpy(a).to(device)``.
 
 Used for what a step copies after its forward is queued (the logits rows, the sampler's and the
-logit adjustments' indices). What it copies before stays pageable on purpose: those copies wait
-for the step before, which FlashInfer's plan needs (it reuses its pinned plan buffer).
+logit adjustments' indices). What it copies before (block-table changes, in-flight inputs, new
+rows' sampling parameters) is still pageable: those copies make the host wait for the step
+before, so the device idles while the host plans and queues the next one. Making them wait-free
+needs every page-locked buffer the host rewrites each step to be safe against a copy still
+queued from it (FlashInfer's plan buffer is, ``PlanArgs``); that has not run on a GPU yet.
 """
 
 from __future__ import annotations

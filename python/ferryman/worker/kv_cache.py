@@ -28,6 +28,8 @@ import mmap
 import numpy as np
 import torch
 
+from ferryman.worker.transfer import to_device
+
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor; on the CPU, over an anonymous memory map (zero until written; the tensor
@@ -141,7 +143,7 @@ class KvCache:
             self._copy_runs(swap_out, self.device_kv, self.host_kv)
             self._copy_runs(swap_in, self.host_kv, self.device_kv)
         if len(copy):
-            idx = torch.from_numpy(copy).to(self.device_kv.device, torch.long)
+            idx = to_device(copy.astype(np.int64), self.device_kv.device)
             self.device_kv[idx[:, 1]] = self.device_kv[idx[:, 0]]
 
     def _copy_runs(self, plan: np.ndarray, src: torch.Tensor, dst: torch.Tensor) -> None:

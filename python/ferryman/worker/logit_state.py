@@ -136,10 +136,10 @@ class LogitState:
         for row, prompt, output in adj.penalty_rows:  # the counts of what the sequence holds now
             assert self.counts is not None and self.in_prompt is not None
             self.counts[row].zero_()
-            out_ids = torch.from_numpy(output).to(dev)
+            out_ids = to_device(output, dev)
             self.counts[row].index_add_(0, out_ids, torch.ones_like(out_ids, dtype=torch.int32))
             self.in_prompt[row].zero_()
-            self.in_prompt[row, torch.from_numpy(prompt).to(dev)] = True
+            self.in_prompt[row, to_device(prompt, dev)] = True
         if not adj.bias_rows:
             return
         width = max(len(ids) for _, ids, _ in adj.bias_rows)
@@ -148,8 +148,8 @@ class LogitState:
         for row, ids, vals in adj.bias_rows:  # padded with token 0, bias 0
             self.bias_ids[row].zero_()
             self.bias_vals[row].zero_()
-            self.bias_ids[row, : len(ids)] = torch.from_numpy(ids).to(dev)
-            self.bias_vals[row, : len(vals)] = torch.from_numpy(vals).to(dev)
+            self.bias_ids[row, : len(ids)] = to_device(ids, dev)
+            self.bias_vals[row, : len(vals)] = to_device(vals, dev)
 
     def apply(
         self, logits: torch.Tensor, rows: np.ndarray, adj: Adjust, by_row: dict[str, torch.Tensor]

@@ -104,13 +104,13 @@ class ModelRunner:
             self.num_graph_steps += 1
         else:
             self.attn.plan(step)
-            input_ids = torch.from_numpy(step.input_ids).to(self.device, torch.long)
+            input_ids = to_device(step.input_ids.astype(np.int64), self.device)
             if fill is not None:
                 input_ids[fill[0]] = fill[1]
-            positions = torch.from_numpy(step.positions).to(self.device)
+            positions = to_device(step.positions, self.device)
             hidden = self.model(input_ids, positions, self.attn, self.ops)
         at = out.logits_indices if also is None else np.concatenate([out.logits_indices, also])
-        return self.model.compute_logits(hidden[to_device(at, self.device)])  # no wait for the forward
+        return self.model.compute_logits(hidden[to_device(at, self.device)])
 
     def _inflight_inputs(
         self, out: SchedulerOutput, prev: torch.Tensor | None
@@ -121,8 +121,8 @@ class ModelRunner:
         if prev is None:
             raise RuntimeError("this step's inputs name samples of a step that did not run here")
         dev = self.device
-        places = torch.from_numpy(out.inflight_token_indices.astype(np.int64)).to(dev)
-        src = torch.from_numpy(out.inflight_sample_indices.astype(np.int64)).to(dev)
+        places = to_device(out.inflight_token_indices.astype(np.int64), dev)
+        src = to_device(out.inflight_sample_indices.astype(np.int64), dev)
         return places, prev[src].long()
 
 

@@ -204,9 +204,9 @@ class SamplingTable:
                 for c, t in self.by_row.items()
             }
             self._by_row_cpu = None
-        r = torch.from_numpy(a.rows_added).to(self.device)
+        r = to_device(a.rows_added, self.device)
         for c, t in self.by_row.items():
-            t[r] = torch.from_numpy(a.added[c]).to(self.device)
+            t[r] = to_device(a.added[c], self.device)
         if a.adjust is not None:
             self.logit_state.write_rows(a.adjust, top)
 

@@ -1,17 +1,18 @@
-"""Small host arrays to the device without waiting for it.
+"""A step's host arrays to the device without waiting for it.
 
-A copy from pageable host memory to CUDA first waits for everything queued on the stream, so
-one made after a forward is queued holds the host until that forward ends: with async
-scheduling the host could then not apply the step before it meanwhile. ``to_device`` stages the
-array in pinned memory (PyTorch's caching host allocator, which keeps the buffer until the copy
-has run) and copies it without a wait. On the CPU it is ``torch.from_numpy(a).to(device)``.
+A copy from pageable host memory to CUDA first waits for everything queued on the stream. Made
+after a step's forward is queued, it held the host until that forward ended (with async
+scheduling the host then applied the step before it only afterwards: nothing overlapped); made
+before, it held the host until the previous step ended, so the device idled while the host
+planned and queued the next one. ``to_device`` stages the array in freshly page-locked memory
+(PyTorch's caching host allocator, which keeps the buffer until the copy has run) and copies it
+without a wait. On the CPU it is ``torch.from_numpy(a).to(device)``.
 
-Used for what a step copies after its forward is queued (the logits rows, the sampler's and the
-logit adjustments' indices). What it copies before (block-table changes, in-flight inputs, new
-rows' sampling parameters) is still pageable: those copies make the host wait for the step
-before, so the device idles while the host plans and queues the next one. Making them wait-free
-needs every page-locked buffer the host rewrites each step to be safe against a copy still
-queued from it (FlashInfer's plan buffer is, ``PlanArgs``); that has not run on a GPU yet.
+Every copy a step makes goes through it (the torch attention reference aside); the host then
+waits for the device only where it reads a result (the sampled ids' event, logprobs). A
+page-locked buffer the host rewrites every step must not be rewritten while a copy from it is
+still queued: FlashInfer's plan buffer waits for its previous plan (``PlanArgs``); the others
+here are fresh per copy.
 """
 
 from __future__ import annotations

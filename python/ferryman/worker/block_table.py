@@ -5,9 +5,10 @@ the per-token arrays a step derives from it: ``positions``, ``slot_mapping`` and
 ``kv_indices``. The derivation is vectorized numpy over the scheduled rows (no Python loop), so
 the core no longer lays out every row's whole table each step.
 
-The table lives in host memory (pinned on CUDA, so the arrays go to the device without a sync);
-a row freed and taken again is overwritten entry by entry before it is read, since the core sends
-a taken row its whole table.
+The table lives in host memory, never copied to the device itself: the arrays derived from it are
+new ones every step (staged in page-locked memory of their own when they go to a GPU); a row
+freed and taken again is overwritten entry by entry before it is read, since the core sends a
+taken row its whole table.
 
 Invariant: after ``step(out)``, row ``out.rows[b]`` holds the first ``ceil(seq_lens[b] /
 block_size)`` blocks of the sequence scheduled in row b.
@@ -16,23 +17,18 @@ block_size)`` blocks of the sequence scheduled in row b.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from ferryman._core import SchedulerOutput
 from ferryman.attention.base import StepInputs
 
 
 class BlockTable:
-    def __init__(
-        self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, pin: bool = False
-    ) -> None:
-        self.block_size, self.pin = block_size, pin
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int) -> None:
+        self.block_size = block_size
         self._alloc(max_num_seqs, max_blocks_per_seq)
 
     def _alloc(self, rows: int, cols: int) -> None:
-        t = torch.zeros((rows, cols), dtype=torch.int32)
-        self.tensor = t.pin_memory() if self.pin else t
-        old, self.table = getattr(self, "table", None), self.tensor.numpy()
+        old, self.table = getattr(self, "table", None), np.zeros((rows, cols), dtype=np.int32)
         if old is not None:
             self.table[: old.shape[0], : old.shape[1]] = old
 

@@ -76,7 +76,7 @@ class ModelRunner:
         self.position_limit = shapes.max_positions if fi is not None else 0
         self.graphs: DecodeGraphs | None = None  # where CUDA graphs are on
         self.num_graph_steps = 0
-        self.block_table = BlockTable(max_num_seqs, pages, block_size, pin=device.type == "cuda")
+        self.block_table = BlockTable(max_num_seqs, pages, block_size)
         if fi is not None and not enforce_eager:
             forward = functools.partial(model, ops=self.ops)
             self.graphs = DecodeGraphs(fi, forward, capture_sizes(max_num_seqs), pages)

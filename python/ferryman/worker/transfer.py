@@ -26,4 +26,7 @@ def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     t = torch.from_numpy(np.ascontiguousarray(a))
     if device.type != "cuda":
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    # pin_memory() returns memory that is page-locked already as it is (a view of a pinned buffer
+    # the host may rewrite before the copy runs): such an array gets a staging buffer of its own
+    staged = torch.empty_like(t, pin_memory=True).copy_(t) if t.is_pinned() else t.pin_memory()
+    return staged.to(device, non_blocking=True)

@@ -31,8 +31,9 @@ done
 tests_rc=-1 bench_rc=-1 profile_rc=-1 overlap_rc=-1
 : > "$LOG/gpu_tests.log"
 if want tests; then
-# the first test JIT-compiles FlashInfer's kernels (minutes on a bare machine)
-timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W default -s --durations=0 tests/gpu 2>&1 \
+# the first test JIT-compiles FlashInfer's kernels (minutes on a bare machine); 222 s in all on
+# 2026-11-30, with fewer tests than now: the cap leaves room for the ones added since
+timeout 330 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W default -s --durations=0 tests/gpu 2>&1 \
   | tee "$LOG/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 echo "tests done after $(( $(date +%s) - start )) s"

@@ -59,11 +59,16 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
 
 
+def make_current(device: torch.device) -> None:
+    """``cuda:N`` becomes the calling thread's current device: the streams, events and graph
+    captures that name no device take it."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
 def build_parts(args: EngineArgs) -> EngineParts:
     device = resolve_device(args.device)
-    if device.type == "cuda" and device.index is not None:
-        # streams, events and graph captures that name no device take the current one
-        torch.cuda.set_device(device)
+    make_current(device)
     dtype = resolve_dtype(args.dtype, device)
     path = resolve_model_path(args.model, weights=args.load_format != "dummy")
     n = args.tensor_parallel_size

@@ -28,9 +28,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
-
 from ferryman.engine import Engine, EngineDeadError, Prompt
+from ferryman.engine_setup import make_current
 from ferryman.outputs import RequestMetrics, RequestOutput
 from ferryman.sampling_params import SamplingParams
 from ferryman.server.metrics import Metrics
@@ -184,8 +183,7 @@ class AsyncEngine:
     # -- engine thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
-        if self.engine.device.type == "cuda" and self.engine.device.index is not None:
-            torch.cuda.set_device(self.engine.device)  # this thread's streams and events on it
+        make_current(self.engine.device)  # this thread's too
         busy = False
         while not self._stop:
             self._drain_commands()

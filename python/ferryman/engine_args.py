@@ -161,7 +161,10 @@ class EngineArgs(SchedulerArgs):
     )
     seed: int = knob(0, "engine seed: sampling seeds of requests that bring none")
     tensor_parallel_size: int = knob(
-        1, "processes one model is split over (tensor parallelism; CPU with gloo for now)", check=at_least(1)
+        1,
+        "processes one model is split over (tensor parallelism: gloo on CPU; NCCL with one GPU per "
+        "rank, not yet run)",
+        check=at_least(1),
     )
     distributed_executor_backend: str = knob(
         "mp",

@@ -1,9 +1,9 @@
 """Building an engine's parts from ``EngineArgs``: the device and dtype, the model and tokenizer,
 its context length (checked against the model: ``model_loader.check_context``) and the sampling
-defaults of its ``generation_config.json``, the KV pools (sized by profiling on CUDA, by
-``kv_cache_memory`` on CPU, host pool by ``swap_space``), the model runner, start-up calibration
-of the cost model, and the Rust ``Scheduler`` configured with all of it. ``Engine`` owns the
-parts; this module only makes them.
+defaults of its ``generation_config.json``, the KV pools (sized by profiling on CUDA, on every
+tensor-parallel rank; by ``kv_cache_memory`` on CPU; the host pool by ``swap_space``), the model
+runner, start-up calibration of the cost model, and the Rust ``Scheduler`` configured with all
+of it. ``Engine`` owns the parts; this module only makes them.
 
 Invariant: the scheduler's pool sizes, block size and ``bytes_per_block`` are those of the
 ``KvCache`` built here, so every block id the core hands out indexes a real KV block.
@@ -27,6 +27,7 @@ from ferryman.models.tensor_parallel import TensorParallel
 from ferryman.worker.calibrate import host_link_bytes_per_s, prefill_tokens_per_s, profile_kv_blocks
 from ferryman.worker.kv_cache import KvCache
 from ferryman.worker.model_runner import ModelRunner, runner_with_pool
+from ferryman.worker.tp_devices import KvSizing, check_devices
 from ferryman.worker.tp_workers import RankSpec, SpawnedWorkers, Workers, free_port
 from ferryman.worker.tp_workers import start as start_ranks
 
@@ -72,10 +73,9 @@ def build_parts(args: EngineArgs) -> EngineParts:
     dtype = resolve_dtype(args.dtype, device)
     path = resolve_model_path(args.model, weights=args.load_format != "dummy")
     n = args.tensor_parallel_size
-    if n > 1 and device.type != "cpu":
-        raise InvalidRequestError(
-            "tensor_parallel_size > 1 runs on CPU (gloo) for now; CUDA is not wired yet"
-        )
+    cannot = check_devices(device, n, args.distributed_executor_backend) if n > 1 else None
+    if cannot is not None:
+        raise InvalidRequestError(cannot)
     if n > 1 and args.load_format == "dummy":
         raise InvalidRequestError("load_format='dummy' runs on one rank (tensor_parallel_size 1)")
     ray_backend = n > 1 and args.distributed_executor_backend == "ray"
@@ -87,25 +87,25 @@ def build_parts(args: EngineArgs) -> EngineParts:
     max_model_len = check_context(mc, args.max_model_len)
     budget = args.token_budget(device.type, max_model_len)
     num_device_blocks = args.num_device_blocks
-    if num_device_blocks is None and device.type == "cuda":
-        num_device_blocks = profile_kv_blocks(
-            model, block_size, budget, bpb, args.gpu_memory_utilization, args.attention_backend,
-            args.max_num_seqs,
-        )  # fmt: skip
-    elif num_device_blocks is None:
+    if num_device_blocks is None and device.type != "cuda":
         num_device_blocks = max(1, args.kv_cache_memory // bpb)
     num_host_blocks = args.num_host_blocks
     if num_host_blocks is None:
         num_host_blocks = int(args.swap_space * (1 << 30)) // bpb
     if n > 1:  # ranks 1..n-1 in worker processes; rank 0's runner sends them each plan
+        sizing = KvSizing(budget, bpb, args.gpu_memory_utilization, args.max_num_seqs)
         spec = RankSpec(
             str(path), str(dtype).removeprefix("torch."), n, f"tcp://127.0.0.1:{free_port()}", block_size,
             num_device_blocks, num_host_blocks, args.max_num_seqs, max_model_len, args.attention_backend,
-            float(os.environ.get("FERRYMAN_TEST_TP_TIMEOUT_S") or 60),
+            float(os.environ.get("FERRYMAN_TEST_TP_TIMEOUT_S") or 60), str(device), sizing,
         )  # fmt: skip
         runner: Any = start_ranks(spec, model, launch)
-        kv = runner.kv
     else:
+        if num_device_blocks is None:  # CUDA (over ranks, each rank profiles its own: tp_devices)
+            num_device_blocks = profile_kv_blocks(
+                model, block_size, budget, bpb, args.gpu_memory_utilization, args.attention_backend,
+                args.max_num_seqs,
+            )  # fmt: skip
         runner = runner_with_pool(
             model,
             dtype,
@@ -118,7 +118,8 @@ def build_parts(args: EngineArgs) -> EngineParts:
             args.max_num_seqs,
             max_model_len,
         )
-        kv = runner.kv
+    kv = runner.kv
+    num_device_blocks = kv.num_device_blocks  # over ranks that profiled, the count they agreed on
     calibration: dict[str, float] = {}
     started = time.perf_counter()
     if args.calibrate:  # with tensor parallelism the prefill runs on every rank (through the runner)

@@ -205,7 +205,7 @@ def test_a_rank_that_arrives_after_the_collective_timeout_still_joins() -> None:
     """The rendezvous waits for a slow rank (a loaded machine importing torch) longer than the
     forward's collectives wait for each other (it used the same 2 s in the test above, which
     failed when the spawned worker was late)."""
-    spec = SimpleNamespace(init_method=f"tcp://127.0.0.1:{free_port()}", world=2, timeout_s=1.0)
+    spec = SimpleNamespace(init_method=f"tcp://127.0.0.1:{free_port()}", world=2, timeout_s=1.0, device="cpu")
     late = mp.get_context("spawn").Process(target=_late_rank, args=(spec, 3.0))
     late.start()
     try:

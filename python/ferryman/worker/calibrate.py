@@ -81,7 +81,8 @@ def profile_kv_blocks(
     full token budget on a throw-away pool, and the sampler over ``max_num_seqs`` random rows
     with every filter (its sort of the vocabulary is its peak), then give KV what is left of
     ``total * gpu_memory_utilization`` after the weights, the larger of those two peaks and
-    memory other processes hold. Not run on a GPU yet (``scripts/gpu_check.sh`` covers it)."""
+    memory other processes hold. Not run on a GPU yet (``scripts/gpu_check.sh`` covers it). With
+    tensor parallelism every rank runs it together (the forward meets in its collectives)."""
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     cfg = model.cfg
@@ -90,14 +91,16 @@ def profile_kv_blocks(
     blocks = -(-max_num_batched_tokens // block_size) + 1
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    tmp = KvCache(cfg.num_layers, blocks, 0, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+    heads = model.shard.num_kv_heads  # this rank's (all of them without tensor parallelism)
+    tmp = KvCache(cfg.num_layers, blocks, 0, block_size, heads, cfg.head_dim, dtype, device)
     # positions up to the budget; no CUDA graphs for a runner that runs one prefill
     runner = ModelRunner(
         model, tmp, block_size, device, attention_backend, enforce_eager=True,
         max_model_len=max_num_batched_tokens + 1,
     )  # fmt: skip
     prefill_tokens_per_s(runner, block_size, blocks, num_tokens=max_num_batched_tokens)
-    _sample_full_batch(max_num_seqs, cfg.vocab_size, device)
+    if max_num_seqs > 0:  # 0: a tensor-parallel worker rank, which never samples
+        _sample_full_batch(max_num_seqs, cfg.vocab_size, device)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - tmp.device_kv.numel() * tmp.device_kv.element_size()
     free, total = torch.cuda.mem_get_info(device)

@@ -4,7 +4,8 @@ run the forward of their slice of the model (``models/tensor_parallel.py``) over
 pool, which holds their KV heads of every block. How the workers start is the one thing the
 executor backends differ in (``Workers``): ``mp`` spawns processes (``torch.multiprocessing``),
 ``ray`` places Ray actors in a placement group (``worker/ray_ranks.py``); both run
-``worker_main``, the same gloo group and the same plans.
+``worker_main``, the same groups and the same plans. Where each rank runs, over which backend
+(gloo on CPU, NCCL on CUDA) and how its pool is sized: ``worker/tp_devices.py``.
 
 Each step's plan (the arrays the runner reads, about twenty small numpy arrays) reaches the
 workers in one ``broadcast_object_list`` from rank 0 before rank 0 runs it; every rank then runs
@@ -24,7 +25,8 @@ With async scheduling a plan may hold decode inputs whose token is still in flig
 holds the previous step's sampled ids, so it fills them into the plan it broadcasts
 (``filled_inputs``): by then they exist, since a step's forward starts after the previous step's
 sampling. Start-up calibration runs its prefill forward through this runner, so every rank takes
-part. CUDA (NCCL) is not wired: KV profiling runs a forward on one rank.
+part. On CUDA every rank profiles its own device for KV blocks and runs eager (no CUDA graphs:
+capturing NCCL collectives is not done here); that path has not run on GPUs.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ferryman.models.tensor_parallel import TensorParallel
+from ferryman.worker.calibrate import profile_kv_blocks
 from ferryman.worker.model_runner import ModelRunner, runner_with_pool
+from ferryman.worker.tp_devices import KvSizing, backend_of, rank_device, rank_num_blocks
 
 PLAN_FIELDS = (
     "table_rows",
@@ -81,12 +85,14 @@ class RankSpec:
     world: int
     init_method: str
     block_size: int
-    num_device_blocks: int
+    num_device_blocks: int | None  # None: every rank profiles its device with ``sizing`` (CUDA)
     num_host_blocks: int
     max_num_seqs: int
     max_model_len: int
     attention_backend: str
     timeout_s: float = 60.0  # the forward's collectives (FERRYMAN_TEST_TP_TIMEOUT_S in tests)
+    device: str = "cpu"  # rank 0's; rank r runs on ``tp_devices.rank_device(device, r)``
+    sizing: KvSizing | None = None
 
 
 RENDEZVOUS_TIMEOUT_S = 300.0  # how long ranks wait for each other to start
@@ -98,21 +104,31 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def build_runner(spec: RankSpec, rank: int, model: Any = None) -> ModelRunner:
-    """This rank's KV pool and runner around its model slice (loaded here unless given), on CPU."""
+def build_runner(spec: RankSpec, rank: int, plans: Any, model: Any = None) -> ModelRunner:
+    """This rank's KV pool and runner around its model slice (loaded here unless given), on its
+    device; the pool's size is agreed over ``plans`` when it is profiled."""
     from ferryman.model_loader import load_model
 
-    device, dtype = torch.device("cpu"), getattr(torch, spec.dtype)
+    device, dtype = rank_device(spec.device, rank), getattr(torch, spec.dtype)
     if model is None:
         model, _ = load_model(spec.model, dtype, device, TensorParallel(rank, spec.world))
+
+    def profile(s: KvSizing, sampler_rows: int) -> int:
+        return profile_kv_blocks(
+            model, spec.block_size, s.max_num_batched_tokens, s.bytes_per_block,
+            s.gpu_memory_utilization, spec.attention_backend, sampler_rows,
+        )  # fmt: skip
+
+    blocks = rank_num_blocks(spec.num_device_blocks, spec.sizing, rank, plans, profile)
     return runner_with_pool(
         model,
         dtype,
         device,
         spec.block_size,
-        spec.num_device_blocks,
+        blocks,
         spec.num_host_blocks,
         spec.attention_backend,
+        enforce_eager=device.type == "cuda",
         max_num_seqs=spec.max_num_seqs,
         max_model_len=spec.max_model_len,
     )
@@ -122,7 +138,11 @@ def init_rank(spec: RankSpec, rank: int) -> Any:
     """Joins the group (the forward's collectives time out after ``spec.timeout_s``) and returns
     the plans' group, whose broadcasts wait as long as the engine idles. The rendezvous waits up
     to ``RENDEZVOUS_TIMEOUT_S`` for every rank to arrive, whatever ``spec.timeout_s`` is: a rank
-    starting on a loaded machine (importing torch, loading its slice) is late, not dead."""
+    starting on a loaded machine (importing torch, loading its slice) is late, not dead. On CUDA
+    the rank's device becomes current first (NCCL binds a rank to it)."""
+    device = rank_device(spec.device, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     host, port = spec.init_method.removeprefix("tcp://").rsplit(":", 1)
     store = dist.TCPStore(  # type: ignore[attr-defined]  # re-exported by torch.distributed
         host,
@@ -132,15 +152,19 @@ def init_rank(spec: RankSpec, rank: int) -> Any:
         timeout=timedelta(seconds=max(RENDEZVOUS_TIMEOUT_S, spec.timeout_s)),
     )
     dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=spec.world, timeout=timedelta(seconds=spec.timeout_s)
+        backend_of(spec.device),
+        store=store,
+        rank=rank,
+        world_size=spec.world,
+        timeout=timedelta(seconds=spec.timeout_s),
     )
-    return dist.new_group(list(range(spec.world)), timeout=timedelta(days=365))
+    return dist.new_group(list(range(spec.world)), timeout=timedelta(days=365), backend="gloo")
 
 
 def worker_main(rank: int, spec: RankSpec) -> None:
     """A worker rank: build its part, then run every plan rank 0 broadcasts until ``None``."""
     plans = init_rank(spec, rank)
-    runner = build_runner(spec, rank)
+    runner = build_runner(spec, rank, plans)
     try:
         with torch.inference_mode():
             while True:
@@ -206,7 +230,7 @@ def start(
     workers = launch(spec)
     try:
         plans = init_rank(workers.spec, 0)
-        return TensorParallelRunner(build_runner(workers.spec, 0, model), workers, plans)
+        return TensorParallelRunner(build_runner(workers.spec, 0, plans, model), workers, plans)
     except BaseException:  # no half-started ranks left behind
         workers.kill()
         if dist.is_initialized():

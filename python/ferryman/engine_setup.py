@@ -49,9 +49,14 @@ class EngineParts:
 
 
 def resolve_device(device: str) -> torch.device:
+    """``auto`` becomes CUDA when there is one; a ``cuda`` without an index, the current GPU (so
+    that the model, the KV pool and tensor-parallel ranks count from the same one)."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -17,7 +17,14 @@ from tiny_models import build
 
 from ferryman._core import InvalidRequestError
 from ferryman.engine import Engine
-from ferryman.worker.tp_devices import KvSizing, backend_of, check_devices, rank_device, rank_num_blocks
+from ferryman.worker.tp_devices import (
+    KvSizing,
+    backend_of,
+    check_devices,
+    everywhere,
+    rank_device,
+    rank_num_blocks,
+)
 
 
 def test_each_rank_has_its_own_gpu_and_the_backend_follows_the_device() -> None:
@@ -81,6 +88,36 @@ def test_a_rank_without_room_fails_every_rank_not_hangs_them(tmp_path: Path) -> 
     got = agreed(tmp_path, [900, None])
     assert got[0]["got"] == "another tensor-parallel rank has no memory left for KV blocks"
     assert got[1]["got"] == "no memory left for KV blocks on this rank"
+
+
+def _start(rank: int, world: int, init: str, failing: int, out: str) -> None:
+    """One rank's start-up step: rank ``failing`` raises, the others return their rank."""
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+
+    def step() -> int:
+        if rank == failing:
+            raise OSError("this rank's slice could not be read")
+        return rank
+
+    try:
+        got: object = everywhere(step, dist.new_group(backend="gloo"))
+    except (OSError, RuntimeError) as e:
+        got = f"{type(e).__name__}: {e}"
+    finally:
+        dist.destroy_process_group()
+    Path(f"{out}.{rank}").write_text(json.dumps(got))
+
+
+def test_a_rank_that_fails_to_start_fails_every_rank(tmp_path: Path) -> None:
+    """What keeps rank 0 out of a collective (NCCL's set-up has no timeout) when a worker could
+    not load its slice."""
+    out, init = str(tmp_path / "started"), f"file://{tmp_path / 'rendezvous'}"
+    mp.spawn(_start, args=(3, init, 2, out), nprocs=3)
+    got = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(3)]
+    other = "RuntimeError: another tensor-parallel rank failed while starting (its error is in its log)"
+    assert got == [other, other, "OSError: this rank's slice could not be read"]
+    mp.spawn(_start, args=(2, f"file://{tmp_path / 'rendezvous2'}", -1, out), nprocs=2)
+    assert [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)] == [0, 1]
 
 
 def test_a_given_count_is_taken_without_profiling() -> None:

@@ -6,13 +6,21 @@ KV blocks every rank's pool gets.
 - **Backends**: the model's collectives (all-reduce, the logits' all-gather) run over NCCL on
   CUDA and gloo on CPU; the per-step plans and the start-up agreement below always go over a
   gloo group, since they are host objects (vLLM keeps a CPU group beside NCCL for the same).
-  The gloo group is also what notices a dead rank first: rank 0's next plan broadcast fails on
-  the closed connection, before any NCCL collective would wait out its timeout.
+  The gloo group is also what notices a rank that died between steps: rank 0's next plan
+  broadcast fails on the closed connection, before any NCCL collective would wait out its
+  timeout.
 - **KV sizing**: given a block count, every rank takes it. On CUDA without one, every rank
   profiles its own device (``profile_kv_blocks``: the same prefill forward on each, meeting in
   its collectives; only rank 0, which samples, adds the sampler's peak) and the smallest count
   wins, so every block id the core hands out exists on every rank. A rank that finds no room
   makes every rank raise, never leaves the others waiting.
+
+On CUDA the ranks run eager (capturing NCCL collectives in CUDA graphs is not done here). The
+start-up's load report over gloo (``tp_workers.build_runner``) matters there: NCCL's set-up,
+at a rank's first collective, waits for the others with no timeout. A rank that dies
+mid-forward leaves rank 0 waiting for the step's results until NCCL's watchdog ends the process
+at the collective timeout (exit non-zero, for a supervisor to restart), not the clean
+``RankFailedError`` of gloo.
 
 Invariant: every rank of a group ends with the same ``num_device_blocks``.
 The CUDA half has not run: the GPU machine lent here has one device.
@@ -20,11 +28,14 @@ The CUDA half has not run: the GPU machine lent here has one device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,18 +85,33 @@ def agree_min(n: int, group: Any) -> int:
     return int(t.item())
 
 
+def everywhere(fn: Callable[[], T], group: Any) -> T:
+    """``fn()`` on this rank, returned once every rank of ``group`` has run its own: a rank whose
+    ``fn`` raises makes every rank raise (it its own error), rather than leaving the others
+    waiting in the next collective."""
+    try:
+        out = fn()
+    except BaseException:
+        agree_min(-1, group)
+        raise
+    if agree_min(1, group) < 0:
+        raise RuntimeError("another tensor-parallel rank failed while starting (its error is in its log)")
+    return out
+
+
 def rank_num_blocks(given: int | None, sizing: KvSizing | None, rank: int, group: Any, profile: Any) -> int:
     """This rank's device KV blocks: ``given``, else the smallest over the ranks of what
-    ``profile(sizing, sampler_rows)`` finds on each (a ``ValueError`` there, on any rank,
-    raises on every rank)."""
+    ``profile(sizing, sampler_rows)`` finds on each (a ``ValueError`` there, no room, on any rank,
+    raises on every rank; so does any other error of one rank's profiling, though one inside its
+    forward leaves the others in a collective)."""
     if given is not None:
         return given
     if sizing is None:
         raise ValueError("a rank with no block count needs a KvSizing to profile its device")
-    err: ValueError | None = None
+    err: Exception | None = None
     try:
         n = int(profile(sizing, sizing.max_num_seqs if rank == 0 else 0))
-    except ValueError as e:
+    except Exception as e:
         n, err = -1, e
     agreed = agree_min(n, group)
     if err is not None:

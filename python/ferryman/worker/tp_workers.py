@@ -10,23 +10,24 @@ executor backends differ in (``Workers``): ``mp`` spawns processes (``torch.mult
 Each step's plan (the arrays the runner reads, about twenty small numpy arrays) reaches the
 workers in one ``broadcast_object_list`` from rank 0 before rank 0 runs it; every rank then runs
 the same swap, copy and forward, meeting in the model's all-reduces, and the logits come back
-whole on rank 0 (``ferryman.models.tensor_parallel``). ``plan_send_s`` adds up the broadcasts.
-A ``None`` plan stops the workers.
+whole on rank 0 (``models/tensor_parallel.py``). ``plan_send_s`` adds up the broadcasts; a
+``None`` plan stops the workers.
 
 The plans go over a group of their own whose broadcasts never time out (a worker waits for the
 next plan as long as the engine idles); the forward's collectives time out after
 ``RankSpec.timeout_s`` (60 s). A rank that dies makes the next collective fail (gloo reports the
-closed connection at once): the step raises ``RankFailedError``, which the engine
-treats as fatal (it reports itself dead; the server fails every open request) rather than a step
-to retry. So is any error of a step here: a rank that raised mid-forward leaves the others inside
-a collective, out of step for good.
+closed connection at once): the step raises ``RankFailedError``, which the engine treats as fatal
+(it reports itself dead; the server fails every open request), as any error of a step here: a
+rank that raised mid-forward leaves the others inside a collective, out of step for good.
 
 With async scheduling a plan may hold decode inputs whose token is still in flight; only rank 0
-holds the previous step's sampled ids, so it fills them into the plan it broadcasts
-(``filled_inputs``): by then they exist, since a step's forward starts after the previous step's
-sampling. Start-up calibration runs its prefill forward through this runner, so every rank takes
-part. On CUDA every rank profiles its own device for KV blocks and runs eager (no CUDA graphs:
-capturing NCCL collectives is not done here); that path has not run on GPUs.
+holds the previous step's sampled ids, so it broadcasts them over the model's group right after
+the plan, and each rank fills those inputs on its device as rank 0's runner does. Nothing waits
+on the host: on CUDA that broadcast queues behind rank 0's sampling like any kernel. Start-up
+calibration runs its prefill forward through this runner, so every rank takes part. Before any
+collective of the model's, every rank reports over the plans' group that it has loaded its
+slice, so a rank that failed to load fails the start-up on every rank. What differs on CUDA, and
+what of it has not run: ``worker/tp_devices.py``.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ import torch.multiprocessing as mp
 from ferryman.models.tensor_parallel import TensorParallel
 from ferryman.worker.calibrate import profile_kv_blocks
 from ferryman.worker.model_runner import ModelRunner, runner_with_pool
-from ferryman.worker.tp_devices import KvSizing, backend_of, rank_device, rank_num_blocks
+from ferryman.worker.tp_devices import KvSizing, backend_of, everywhere, rank_device, rank_num_blocks
 
 PLAN_FIELDS = (
     "table_rows",
@@ -110,8 +111,12 @@ def build_runner(spec: RankSpec, rank: int, plans: Any, model: Any = None) -> Mo
     from ferryman.model_loader import load_model
 
     device, dtype = rank_device(spec.device, rank), getattr(torch, spec.dtype)
-    if model is None:
-        model, _ = load_model(spec.model, dtype, device, TensorParallel(rank, spec.world))
+    given, tp = model, TensorParallel(rank, spec.world)
+
+    def load() -> Any:  # rank 0 brings its slice
+        return given if given is not None else load_model(spec.model, dtype, device, tp)[0]
+
+    model = everywhere(load, plans)  # a load that fails anywhere fails everywhere
 
     def profile(s: KvSizing, sampler_rows: int) -> int:
         return profile_kv_blocks(
@@ -172,8 +177,9 @@ def worker_main(rank: int, spec: RankSpec) -> None:
                 dist.broadcast_object_list(box, src=0, group=plans)
                 if box[0] is None:
                     return
-                fields, also = box[0]
-                runner.execute(SimpleNamespace(**fields), None, also)  # type: ignore[arg-type]
+                fields, also, inflight = box[0]
+                ids = sent_ids(inflight, runner.device)
+                runner.execute(SimpleNamespace(**fields), ids, also)  # type: ignore[arg-type]
     finally:
         dist.destroy_process_group()
 
@@ -238,16 +244,15 @@ def start(
         raise
 
 
-def filled_inputs(out: Any, prev: torch.Tensor | None) -> dict[str, np.ndarray]:
-    """The plan's ``input_ids`` with every token still in flight (async scheduling: laid out as
-    -1) filled from ``prev``, the previous step's sampled ids, which only rank 0 holds; and no
-    places left to fill. Rank 0's own runner fills the same places from the same ids."""
-    if prev is None:
-        raise RuntimeError("a step with tokens in flight needs the previous step's sampled ids")
-    ids = np.array(out.input_ids, dtype=np.int32, copy=True)
-    ids[out.inflight_token_indices] = prev.cpu().numpy()[out.inflight_sample_indices]
-    none = np.zeros(0, dtype=np.int32)
-    return {"input_ids": ids, "inflight_token_indices": none, "inflight_sample_indices": none}
+def sent_ids(inflight: tuple[int, str] | None, device: torch.device) -> torch.Tensor | None:
+    """The previous step's sampled ids rank 0 broadcasts after a plan with tokens in flight
+    (``inflight``: their count and dtype), received on this rank's device."""
+    if inflight is None:
+        return None
+    n, dtype = inflight
+    ids = torch.empty(n, dtype=getattr(torch, dtype), device=device)
+    dist.broadcast(ids, src=0)
+    return ids
 
 
 class TensorParallelRunner:
@@ -257,7 +262,7 @@ class TensorParallelRunner:
     def __init__(self, local: ModelRunner, workers: Workers, plans: Any) -> None:
         self.local, self.workers, self.plans, self.stopped = local, workers, plans, False
         self.plan_send_s, self.num_plans = 0.0, 0
-        self.num_inputs_filled = 0  # tokens in flight filled into the plans (async scheduling)
+        self.num_inputs_filled = 0  # tokens in flight the workers filled from sent ids (async)
         atexit.register(self.shutdown)
 
     def execute(
@@ -266,10 +271,12 @@ class TensorParallelRunner:
         started = time.perf_counter()
         try:
             plan = {f: getattr(out, f) for f in PLAN_FIELDS}
-            if len(out.inflight_token_indices):
-                plan.update(filled_inputs(out, prev))
+            ids = prev if len(out.inflight_token_indices) else None
+            inflight = None if ids is None else (len(ids), str(ids.dtype).removeprefix("torch."))
+            dist.broadcast_object_list([(plan, also, inflight)], src=0, group=self.plans)
+            if ids is not None:  # queued behind this rank's sampling on CUDA; the host does not wait
+                dist.broadcast(ids.contiguous(), src=0)
                 self.num_inputs_filled += len(out.inflight_token_indices)
-            dist.broadcast_object_list([(plan, also)], src=0, group=self.plans)
             self.plan_send_s += time.perf_counter() - started
             self.num_plans += 1
             return self.local.execute(out, prev, also)

@@ -5,10 +5,12 @@ CPU). Prints one JSON line.
     python benchmarks/tp_plan.py                      # SmolLM2 over 3 ranks (2 does not divide its 9 heads)
     python benchmarks/tp_plan.py --model tiny --tp 2  # the tests' random Llama
     python benchmarks/tp_plan.py --model tiny --tp 2 --backend ray  # rank 1 as a Ray actor
+    python benchmarks/tp_plan.py --model tiny --tp 2 --async-scheduling  # + the in-flight ids
 
 ``--requests`` greedy requests (default 16) of a short prompt decode ``--max-tokens`` tokens
 together; after ``--warmup`` steps (the workers finish loading during the first), each
-``engine.step()`` is timed and so is the broadcast inside it (the runner's ``plan_send_s``).
+``engine.step()`` is timed and so is the broadcast inside it (the runner's ``plan_send_s``; with
+``--async-scheduling`` it includes the broadcast of the in-flight tokens' ids after the plan).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--backend", choices=("mp", "ray"), default="mp", help="distributed_executor_backend")
+    ap.add_argument("--async-scheduling", action="store_true", help="overlap (off by default on CPU)")
     a = ap.parse_args(argv)
     model = tiny_model(Path(tempfile.mkdtemp())) if a.model == "tiny" else a.model
     eng = Engine(
@@ -45,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         tensor_parallel_size=a.tp,
         max_model_len=256,
         distributed_executor_backend=a.backend,
+        async_scheduling=a.async_scheduling,
     )
     runner: Any = eng.runner  # a TensorParallelRunner
     try:
@@ -66,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                     "model": a.model,
                     "tensor_parallel_size": a.tp,
                     "backend": a.backend,
+                    "async_scheduling": a.async_scheduling,
+                    "inputs_sent": runner.num_inputs_filled,
                     "requests": a.requests,
                     "timed_steps": len(steps),
                     "step_ms_median": round(statistics.median(steps) * 1e3, 3),

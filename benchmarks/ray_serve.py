@@ -7,6 +7,7 @@ replica served (from the ``x-ferryman-replica`` header).
 
     python benchmarks/ray_serve.py                    # the tests' tiny Llama, 2 replicas, 32 streams
     python benchmarks/ray_serve.py --replicas 1       # the same load on one engine under Serve
+    python benchmarks/ray_serve.py --routing prefix   # Serve's prefix-aware router (one more hop)
     python benchmarks/ray_serve.py --model PATH --num-cpus 8
 
 Needs ray[serve]. Each replica takes one CPU of the local cluster (``--num-cpus``, default: all).
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="waves of --streams requests (default: 2)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--num-cpus", type=int, default=None, help="the local Ray cluster's CPUs")
+    ap.add_argument("--routing", choices=("load", "prefix"), default="load", help="how Serve picks a replica")
     a = ap.parse_args(argv)
     import ray
     from ray import serve
@@ -107,14 +109,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         t0 = time.perf_counter()
-        serve.run(build_application(args, num_replicas=a.replicas, num_cpus=1), name=DEFAULT_NAME)
+        app = build_application(args, num_replicas=a.replicas, num_cpus=1, routing=a.routing)
+        serve.run(app, name=DEFAULT_NAME)
         startup = time.perf_counter() - t0
         url = f"http://127.0.0.1:{port}"
         result = asyncio.run(drive(url, model, a.streams, a.rounds, a.max_tokens))
     finally:
         serve.shutdown()
         ray.shutdown()
-    head = {"model": a.model, "replicas": a.replicas, "streams": a.streams, "max_tokens": a.max_tokens}
+    head = {"model": a.model, "replicas": a.replicas, "routing": a.routing, "streams": a.streams}
+    head["max_tokens"] = a.max_tokens
     print(json.dumps({**head, "deploy_s": round(startup, 1), **result}))
     return 0
 

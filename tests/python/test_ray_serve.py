@@ -2,10 +2,12 @@
 --data-parallel-size 2 --ray`` on a tiny random Llama with a byte-level tokenizer (a local Ray
 cluster, two replicas, each its own engine), driven through the official ``openai`` client:
 completion and chat against the offline engine's greedy text, a stream whose deltas concatenate
-to it, a client that hangs up mid-stream (its replica aborts the request while the others
-answer), both replicas used, and SIGTERM stopping Serve and Ray with status 0.
+to it, both replicas used under a burst (routing by load), prefix-aware routing (a shared prefix keeps
+its replica, a new one goes to the other), a client that hangs up mid-stream (its replica aborts
+the request while the others answer), and SIGTERM stopping Serve and Ray with status 0; all of
+it under both ``--routing load`` and ``--routing prefix`` (the ingress relaying to replicas).
 
-One server serves the whole file (starting Ray and two replicas is most of its time). Each
+One server per routing serves the whole file (starting Ray and two replicas is most of its time). Each
 replica names itself in the ``x-ferryman-replica`` response header, so a replica's own /metrics
 are found by asking until it answers."""
 
@@ -43,13 +45,14 @@ class RayServer:
     """``ferryman serve --ray`` in a subprocess; up once it says it is serving (after Serve has
     deployed every replica)."""
 
-    def __init__(self, model: Path, replicas: int, log: Path) -> None:
+    def __init__(self, model: Path, replicas: int, log: Path, routing: str) -> None:
+        self.routing = routing
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "ferryman", "serve", "--model", str(model), "--port", str(self.port)]
-        cmd += [*ENGINE_FLAGS, "--data-parallel-size", str(replicas), "--ray"]
+        cmd += [*ENGINE_FLAGS, "--data-parallel-size", str(replicas), "--ray", "--routing", routing]
         self.log = log
         self._out = open(log, "w")  # noqa: SIM115 (closed in stop())
         # RAY_ADDRESS unset: the command starts its own local cluster and stops it on exit
@@ -102,9 +105,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build("llama", tmp_path_factory.mktemp("ray"), tokenizer=True)
 
 
-@pytest.fixture(scope="module")
-def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayServer]:
-    s = RayServer(model_dir, 2, tmp_path_factory.mktemp("logs") / "ray_serve.log")
+@pytest.fixture(scope="module", params=["load", "prefix"])
+def server(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[RayServer]:
+    """One server per routing: every test runs against each (pytest groups them by server)."""
+    s = RayServer(model_dir, 2, tmp_path_factory.mktemp("logs") / "ray_serve.log", request.param)
     yield s
     s.stop()
 
@@ -163,7 +169,11 @@ def test_streamed_deltas_concatenate_to_the_greedy_text(
 
 
 def test_concurrent_requests_use_both_replicas(server: RayServer, offline: Engine, model: str) -> None:
+    """Routing by load: a burst of streams spreads over both replicas."""
     import openai
+
+    if server.routing != "load":
+        pytest.skip("prefix routing keeps these shared-prefix prompts together while loads allow")
 
     prompts = [f"Story {i}:" for i in range(8)]
 
@@ -181,6 +191,38 @@ def test_concurrent_requests_use_both_replicas(server: RayServer, offline: Engin
     got = asyncio.run(run())
     assert {replica for replica, _ in got} == set(server.replica_metrics(lambda s: len(s) == 2))
     assert [text for _, text in got] == [greedy(offline, p, 16) for p in prompts]
+
+
+def test_a_shared_prefix_keeps_its_replica_and_a_new_one_goes_to_the_other(
+    server: RayServer, offline: Engine, model: str
+) -> None:
+    """Serve's prefix-aware router, reading the prompt the ingress hands on: requests one after
+    another (loads equal) whose prompts share a long prefix land on the replica that served the
+    first; a prompt sharing nothing with what either has seen goes to the one that has seen less
+    text, so the second group lands on the other replica. Each answer is the offline engine's."""
+    import openai
+
+    if server.routing != "prefix":
+        pytest.skip("routing by load ignores the prompt")
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+
+    def ask(prompt: str) -> tuple[str, str]:
+        r = client.completions.with_raw_response.create(
+            model=model, prompt=prompt, max_tokens=8, temperature=0, extra_body=EXTRA
+        )
+        return r.headers[REPLICA_HEADER], r.parse().choices[0].text
+
+    first = "The quick brown fox jumps over the lazy dog while the old cat watches it. "
+    second = "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod. "
+    groups = [[f"{prefix}Part {i}" for i in range(3)] for prefix in (first, second)]
+    got = [[ask(p) for p in g] for g in groups]
+    replicas = [{r for r, _ in g} for g in got]
+    assert all(len(r) == 1 for r in replicas), replicas
+    assert replicas[0] != replicas[1]
+    assert replicas[0] | replicas[1] == set(server.replica_metrics(lambda s: len(s) == 2))
+    for g, answers in zip(groups, got, strict=True):
+        assert [t for _, t in answers] == [greedy(offline, p, 8) for p in g]
 
 
 def test_disconnect_mid_stream_aborts_on_its_replica_while_others_answer(

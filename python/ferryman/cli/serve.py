@@ -41,6 +41,13 @@ def register(sub: Any) -> None:
         "(needs ray[serve])",
     )
     r.add_argument(
+        "--routing",
+        choices=("load", "prefix"),
+        default="load",
+        help="how Serve picks a replica (with --ray): load (power of two choices, the default) or "
+        "prefix (Serve's prefix-aware router reads each prompt; one more hop per response message)",
+    )
+    r.add_argument(
         "--ray-address",
         default=None,
         help="the Ray cluster to join (default: $RAY_ADDRESS, else a cluster `ray start` began on this "
@@ -90,4 +97,5 @@ def _run_ray(a: argparse.Namespace) -> int:
         max_waiting=a.max_waiting,
         shutdown_timeout=a.shutdown_timeout,
         ray_address=a.ray_address,
+        routing=a.routing,
     )

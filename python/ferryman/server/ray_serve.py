@@ -1,13 +1,24 @@
 """Data-parallel replicas on Ray Serve: N ferryman engines behind one OpenAI-compatible endpoint.
 
-Each replica of the Serve deployment (a Ray actor) owns one ``Engine``, its ``AsyncEngine``
-thread and the app ``ferryman serve`` runs (``build_app``), mounted as the deployment's ASGI
-ingress, so every route, error body, stream and disconnect rule is the single-server one. Ray
-Serve's HTTP proxy takes the requests and its default request router picks a replica for each:
-power of two choices (two random replicas, the one with fewer requests in flight). Serve's
-prefix-aware router (``PrefixCacheAffinityRouter``) reads the prompt from the arguments of a
-deployment-handle call; an HTTP request reaches the router as opaque ASGI bytes, so it cannot
-apply here.
+Each replica of the engine deployment (a Ray actor) owns one ``Engine``, its ``AsyncEngine``
+thread and its own copy of the app ``ferryman serve`` runs (``build_app``), so every route,
+error body, stream and disconnect rule is the single server's. How Serve picks a replica for a
+request (``routing``):
+
+- ``load`` (the default): the replicas are the HTTP ingress themselves, and Serve's default
+  router picks one per request: power of two choices (two random replicas, the one with fewer
+  requests in flight). One hop from Serve's proxy to the engine.
+- ``prefix``: Serve's prefix-aware router (``PrefixCacheAffinityRouter``) picks from the prompt.
+  It reads the arguments of a deployment-handle call, never an HTTP body, so an ingress of its
+  own (no engine) hands each request to a replica through a handle (``server/ray_relay.py``):
+  while the replicas' loads differ by fewer than ``PREFIX_IMBALANCE`` requests, a prompt goes to
+  the replica that served the longest prefix of it (its prefix cache likely holds that KV), or,
+  below a 10% match, to the replica that has seen the least text; past that difference, by load
+  as above. Requests without a prompt (GETs) route by load alone. The price is a second hop for
+  every response message (measured in docs/scale-out.md). Ray publishes the router as
+  ``ray.serve.llm.request_router.PrefixCacheAffinityRouter``, but importing that name needs vLLM
+  or SGLang; ferryman names the class's own module, which Ray marks internal (checked with Ray
+  2.60).
 
 Invariants: every response carries ``x-ferryman-replica``, the Serve replica's id; a replica
 whose engine died answers 503 and fails Serve's health check, so Serve replaces it; a client
@@ -22,10 +33,11 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 
 from ferryman.engine import Engine
 from ferryman.engine_args import EngineArgs
@@ -33,10 +45,16 @@ from ferryman.engine_setup import resolve_device
 from ferryman.server.app import build_app
 from ferryman.server.async_engine import AsyncEngine
 from ferryman.server.metrics import Metrics
+from ferryman.server.ray_relay import Forwarded, relay_app, run_asgi
 
 REPLICA_HEADER = "x-ferryman-replica"
 DEFAULT_NAME = "ferryman"
 HEALTH_CHECK_PERIOD_S = 2.0  # Serve replaces a replica after a few failed checks in a row
+PREFIX_ROUTER = (
+    "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter"
+)
+PREFIX_IMBALANCE = 4  # requests in flight by which two replicas may differ before load decides
+ROUTINGS = ("load", "prefix")
 
 _Scope = MutableMapping[str, Any]
 _Message = MutableMapping[str, Any]
@@ -45,14 +63,20 @@ _Send = Callable[[_Message], Awaitable[None]]
 
 
 class _ReplicaHeader:
-    """ASGI middleware: adds ``x-ferryman-replica`` to every HTTP response."""
+    """ASGI middleware: adds ``x-ferryman-replica`` to every HTTP response, and answers the
+    lifespan events itself (the replica starts and stops its engine, whatever routes to it)."""
 
     def __init__(self, app: Callable[[_Scope, _Receive, _Send], Awaitable[None]], replica: str) -> None:
-        self.app, self.value = app, replica.encode()
+        self.inner, self.value = app, replica.encode()
 
     async def __call__(self, scope: _Scope, receive: _Receive, send: _Send) -> None:
+        if scope["type"] == "lifespan":  # the replica starts and stops its engine itself
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
         if scope["type"] != "http":
-            await self.app(scope, receive, send)
+            await self.inner(scope, receive, send)
             return
 
         async def tagged(message: _Message) -> None:
@@ -61,11 +85,12 @@ class _ReplicaHeader:
                 message = {**message, "headers": headers}
             await send(message)
 
-        await self.app(scope, receive, tagged)
+        await self.inner(scope, receive, tagged)
 
 
 class FerrymanReplica:
-    """One replica: an engine built from ``args`` and the OpenAI routes over it."""
+    """One replica: an engine built from ``args`` and the OpenAI routes over it, which requests
+    reach through ``forward`` (from the ingress)."""
 
     def __init__(self, args: EngineArgs, served_model_name: str, max_waiting: int | None) -> None:
         engine = Engine.from_engine_args(args)
@@ -73,16 +98,44 @@ class FerrymanReplica:
         self.engine = AsyncEngine(engine, metrics=metrics, max_waiting=max_waiting)
         self.served_model_name = served_model_name
         self.replica: str = serve.get_replica_context().replica_tag
+        self.openai_app = build_app(self.engine, served_model_name)
+        self.openai_app.add_middleware(_ReplicaHeader, replica=self.replica)
+        self.engine.start()  # what the app's lifespan does under a plain server
 
-    def __serve_build_asgi_app__(self) -> Any:
-        app = build_app(self.engine, self.served_model_name)  # its lifespan starts the engine thread
-        app.add_middleware(_ReplicaHeader, replica=self.replica)
-        return app
+    async def forward(self, req: Forwarded) -> AsyncIterator[Any]:
+        """The ASGI messages of ``req``'s response, as the app sends them (``routing="prefix"``)."""
+        async for message in run_asgi(self.openai_app, req):
+            yield message
 
     def check_health(self) -> None:
         """Serve calls this periodically; raising marks the replica unhealthy (it is replaced)."""
         if self.engine.error is not None:
             raise RuntimeError(f"the engine died: {self.engine.error!r}")
+
+    def __del__(self) -> None:  # Serve calls it once the replica's requests are done
+        self.engine.shutdown()
+
+
+class FerrymanHttpReplica(FerrymanReplica):
+    """A replica that is the HTTP ingress itself (``routing="load"``)."""
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return self.openai_app
+
+
+class FerrymanIngress:
+    """The HTTP ingress of ``routing="prefix"``: every request goes on to a replica
+    (``ray_relay``), by its prompt where it has one (positional: the prefix router reads it),
+    else by load."""
+
+    def __init__(self, replicas: Any) -> None:
+        self.replicas = replicas.options(stream=True)
+
+    def _call(self, req: Forwarded, by_prompt: bool) -> Any:
+        return self.replicas.forward.remote(req) if by_prompt else self.replicas.forward.remote(req=req)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return relay_app(self._call)
 
 
 def _cpus(args: EngineArgs) -> float:
@@ -101,6 +154,7 @@ def build_application(
     num_cpus: float | None = None,
     num_gpus: float | None = None,
     shutdown_timeout: float = 30.0,
+    routing: str = "load",
 ) -> Any:
     """The Serve application (``serve.run(build_application(EngineArgs(model=...)))``):
     ``num_replicas`` engines built from ``args``. ``max_ongoing_requests`` caps the requests one
@@ -108,23 +162,42 @@ def build_application(
     replica); ``num_cpus`` (default: ``_cpus``) and ``num_gpus`` (default: 1 when
     ``args.device`` resolves to CUDA, ``auto`` included on a machine with one, else 0) are each
     replica's Ray resources; ``shutdown_timeout`` is how long a stopping replica lets its
-    requests finish."""
+    requests finish; ``routing`` is ``load`` or ``prefix`` (above)."""
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
     if max_waiting is not None and max_waiting < 1:
         raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
     if num_gpus is None:  # "auto" resolves here as each replica will resolve it (CUDA if there is one)
         num_gpus = 1.0 if resolve_device(args.device).type == "cuda" else 0.0
-    deployment = serve.deployment(
-        serve.ingress()(FerrymanReplica),
-        name=DEFAULT_NAME,
-        num_replicas=num_replicas,
-        max_ongoing_requests=max_ongoing_requests or args.max_num_seqs,
-        ray_actor_options={"num_cpus": num_cpus or _cpus(args), "num_gpus": num_gpus},
-        graceful_shutdown_timeout_s=shutdown_timeout,
-        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
+    per_replica = max_ongoing_requests or args.max_num_seqs
+    options: dict[str, Any] = {
+        "num_replicas": num_replicas,
+        "max_ongoing_requests": per_replica,
+        "ray_actor_options": {"num_cpus": num_cpus or _cpus(args), "num_gpus": num_gpus},
+        "graceful_shutdown_timeout_s": shutdown_timeout,
+        "health_check_period_s": HEALTH_CHECK_PERIOD_S,
+    }
+    bound = (args, served_model_name or args.model, max_waiting)
+    if routing == "load":
+        http = serve.ingress()(FerrymanHttpReplica)
+        return serve.deployment(http, name=DEFAULT_NAME, **options).bind(*bound)
+    router = RequestRouterConfig(
+        request_router_class=PREFIX_ROUTER,
+        request_router_kwargs={"imbalanced_threshold": PREFIX_IMBALANCE},
     )
-    return deployment.bind(args, served_model_name or args.model, max_waiting)
+    engines = serve.deployment(FerrymanReplica, name=DEFAULT_NAME, request_router_config=router, **options)
+    ingress = serve.deployment(
+        serve.ingress()(FerrymanIngress),
+        name=f"{DEFAULT_NAME}-ingress",
+        num_replicas=1,
+        # holds every request the replicas hold, and those Serve queues for them
+        max_ongoing_requests=2 * num_replicas * per_replica,
+        ray_actor_options={"num_cpus": 0},
+        graceful_shutdown_timeout_s=shutdown_timeout,
+    )
+    return ingress.bind(engines.bind(*bound))
 
 
 def serve_replicas(
@@ -137,6 +210,7 @@ def serve_replicas(
     max_waiting: int | None = None,
     shutdown_timeout: float = 30.0,
     ray_address: str | None = None,
+    routing: str = "load",
 ) -> int:
     """``ferryman serve --ray``: joins the Ray cluster at ``ray_address`` (default: Ray's rule:
     $RAY_ADDRESS, else a cluster ``ray start`` began on this machine, else a new local one), runs
@@ -151,6 +225,7 @@ def serve_replicas(
         served_model_name=served_model_name,
         max_waiting=max_waiting,
         shutdown_timeout=shutdown_timeout,
+        routing=routing,
     )
     ray.init(address=ray_address, include_dashboard=False, log_to_driver=True)
     stop = threading.Event()
@@ -165,7 +240,7 @@ def serve_replicas(
             signal.signal(sig, lambda *_: stop.set())
         print(
             f"ferryman: serving {served_model_name or args.model!r} on http://{host}:{port} "
-            f"({num_replicas} Ray Serve replicas)",
+            f"({num_replicas} Ray Serve replicas, routed by {routing})",
             file=sys.stderr,
             flush=True,
         )

@@ -188,6 +188,7 @@ def test_bench_throughput_does_not_take_engine_only_flags(capsys: pytest.Capture
         (["--data-parallel-size", "2"], "--data-parallel-size > 1 needs --ray"),
         (["--data-parallel-size", "0", "--ray"], "--data-parallel-size must be >= 1"),
         (["--ray", "--trace", "t.jsonl"], "--trace is not supported with --ray"),
+        (["--routing", "prefix"], "--routing prefix needs --ray"),
     ],
 )
 def test_serve_refuses_data_parallel_flags_it_cannot_honour(

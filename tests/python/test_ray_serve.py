@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -265,6 +266,29 @@ def test_disconnect_mid_stream_aborts_on_its_replica_while_others_answer(
         lambda s: len(s) == 2 and all(v["ferryman_num_requests_running"] == 0 for v in s.values())
     )
     assert all(v["ferryman_num_requests_running"] == 0 for v in settled.values())
+
+
+def test_a_client_that_leaves_a_non_streamed_request_aborts_it(server: RayServer, model: str) -> None:
+    """Serve cancels the handler of a client that hung up; the handler cancels the request's
+    collection and waits for it before closing its stream, which aborts it (it used to close a
+    stream still being read, which failed, and the request ran to its end). The client sends a
+    240-token request and closes its socket 50 ms later, long before 240 decode steps end."""
+    before = server.replica_metrics(lambda s: len(s) == 2)
+    body = json.dumps(
+        {"model": model, "prompt": "Leave", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
+    ).encode()
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    with socket.create_connection(("127.0.0.1", server.port)) as conn:
+        conn.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(0.05)
+
+    def total(s: dict[str, dict[str, float]], key: str) -> float:
+        return sum(v.get(key, 0) for v in s.values())
+
+    after = server.replica_metrics(lambda s: len(s) == 2 and total(s, "abort") > total(before, "abort"))
+    assert total(after, "abort") == total(before, "abort") + 1
+    generated = "ferryman_generation_tokens_total"
+    assert total(after, generated) - total(before, generated) < 240
 
 
 def test_sigterm_stops_serve_and_ray_with_status_0(server: RayServer) -> None:

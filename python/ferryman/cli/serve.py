@@ -65,6 +65,9 @@ def run(a: argparse.Namespace) -> int:
     if a.data_parallel_size > 1:
         print("ferryman serve: error: --data-parallel-size > 1 needs --ray", file=sys.stderr)
         return 2
+    if a.routing != "load":
+        print("ferryman serve: error: --routing prefix needs --ray", file=sys.stderr)
+        return 2
     from ferryman.server.run import serve
 
     return serve(

@@ -5,6 +5,7 @@ and mapping the engine's failures to HTTP errors."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
@@ -18,15 +19,22 @@ T = TypeVar("T")
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Runs ``work``; cancels it (aborting its requests) if the client goes away first."""
+    """Runs ``work``; cancels it (aborting its requests) if the client goes away first, or if
+    this handler is cancelled (what Ray Serve does when a client leaves), and waits for it to
+    stop, so that its streams can be closed after."""
     task = asyncio.ensure_future(work)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=0.2)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.2)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ApiError(499, "client disconnected", "client_closed_request")
+    finally:
+        if not task.done():
             task.cancel()
-            raise ApiError(499, "client disconnected", "client_closed_request")
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
 
 def params(make: Callable[[], SamplingParams]) -> SamplingParams:

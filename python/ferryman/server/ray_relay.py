@@ -7,10 +7,11 @@ matches. The replica runs it through its own copy of the single-server app (``ru
 streams the ASGI messages back, which the ingress sends on unchanged: every route, error body,
 stream and header is the single server's.
 
-- **Routing text**: a completion's prompt (token ids as ``"1,2,3,"``, so a shared prefix of ids
-  is a shared prefix of text), a chat's message contents in order. A request that has none (a
-  GET, a body that is not JSON) travels as a keyword argument, which the prefix router skips:
-  it routes by load alone, never into the prefix tree.
+- **Routing text**: of a POST to ``/v1/completions`` or ``/v1/chat/completions`` only, a
+  completion's prompt (token ids as ``"1,2,3,"``, so a shared prefix of ids is a shared prefix
+  of text), a chat's message contents in order. A request that has none (a GET, ``/tokenize``,
+  a body that is not JSON) travels as a keyword argument, which the prefix router skips: it
+  routes by load alone, never into the prefix tree.
 - **Disconnects**: a client that hangs up cancels the ingress's handler; it cancels the handle
   call, which cancels the replica's stream; the app sees ``http.disconnect`` and its task is
   cancelled, which aborts the engine's request as under a plain server.
@@ -38,6 +39,7 @@ class Forwarded:
 
     method: str
     path: str
+    root_path: str  # the route prefix the path still starts with (the app strips it)
     query_string: bytes
     headers: list[tuple[bytes, bytes]]
     body: bytes
@@ -56,7 +58,7 @@ def routing_text(body: bytes) -> str:
     """The text of a completion's prompt or a chat's messages, "" when the body has neither."""
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # the replica answers such a body with its 400
         return ""
     if not isinstance(data, dict):
         return ""
@@ -85,7 +87,7 @@ async def run_asgi(app: Asgi, req: Forwarded) -> AsyncIterator[Message]:
         "scheme": "http",
         "path": req.path,
         "raw_path": req.path.encode(),
-        "root_path": "",
+        "root_path": req.root_path,
         "query_string": req.query_string,
         "headers": req.headers,
         "client": None,
@@ -150,17 +152,20 @@ def relay_app(call: Callable[[Forwarded, bool], Any]) -> Asgi:
             if not event.get("more_body", False):
                 break
         body = b"".join(chunks)
-        text = routing_text(body)
+        generating = scope["method"] == "POST" and scope["path"].endswith("/completions")
+        text = routing_text(body) if generating else ""  # only what fills a KV cache steers
         req = Forwarded(
-            scope["method"], scope["path"], scope.get("query_string", b""),
+            scope["method"], scope["path"], scope.get("root_path", ""), scope.get("query_string", b""),
             [(bytes(k), bytes(v)) for k, v in scope.get("headers", [])], body, text,
         )  # fmt: skip
         stream = call(req, bool(text))
+        finished = False
         try:
             async for message in stream:
                 await send(message)
-        except asyncio.CancelledError:
-            stream.cancel()  # the replica stops too (the client left)
-            raise
+            finished = True
+        finally:
+            if not finished:  # the client left, or sending failed: the replica stops too
+                stream.cancel()
 
     return app

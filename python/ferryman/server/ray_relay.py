@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +76,7 @@ def routing_text(body: bytes) -> str:
     return ""
 
 
-async def run_asgi(app: Asgi, req: Forwarded) -> AsyncIterator[Message]:
+async def run_asgi(app: Asgi, req: Forwarded) -> AsyncGenerator[Message, None]:
     """``req`` through ``app``: the response's ASGI messages, as the app sends them. Closing the
     iterator early (the client left) tells the app the client disconnected and cancels it."""
     scope = {

@@ -11,7 +11,7 @@ request (``routing``):
 - ``prefix``: Serve's prefix-aware router (``PrefixCacheAffinityRouter``) picks from the prompt.
   It reads the arguments of a deployment-handle call, never an HTTP body, so an ingress of its
   own (no engine) hands each request to a replica through a handle (``server/ray_relay.py``):
-  while the replicas' loads differ by fewer than ``PREFIX_IMBALANCE`` requests, a prompt goes to
+  while the replicas' loads differ by at most ``PREFIX_IMBALANCE`` requests, a prompt goes to
   the replica that served the longest prefix of it (its prefix cache likely holds that KV), or,
   below a 10% match, to the replica that has seen the least text; past that difference, by load
   as above. Requests without a prompt (GETs) route by load alone. The price is a second hop for
@@ -30,6 +30,7 @@ serve --ray``, or ``build_application`` from Python), so ferryman runs without R
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import threading
@@ -96,16 +97,15 @@ class FerrymanReplica:
         engine = Engine.from_engine_args(args)
         metrics = Metrics(engine.scheduler.config, served_model_name)
         self.engine = AsyncEngine(engine, metrics=metrics, max_waiting=max_waiting)
-        self.served_model_name = served_model_name
-        self.replica: str = serve.get_replica_context().replica_tag
         self.openai_app = build_app(self.engine, served_model_name)
-        self.openai_app.add_middleware(_ReplicaHeader, replica=self.replica)
+        self.openai_app.add_middleware(_ReplicaHeader, replica=serve.get_replica_context().replica_tag)
         self.engine.start()  # what the app's lifespan does under a plain server
 
     async def forward(self, req: Forwarded) -> AsyncIterator[Any]:
         """The ASGI messages of ``req``'s response, as the app sends them (``routing="prefix"``)."""
-        async for message in run_asgi(self.openai_app, req):
-            yield message
+        async with contextlib.aclosing(run_asgi(self.openai_app, req)) as messages:
+            async for message in messages:
+                yield message
 
     def check_health(self) -> None:
         """Serve calls this periodically; raising marks the replica unhealthy (it is replaced)."""
@@ -113,7 +113,9 @@ class FerrymanReplica:
             raise RuntimeError(f"the engine died: {self.engine.error!r}")
 
     def __del__(self) -> None:  # Serve calls it once the replica's requests are done
-        self.engine.shutdown()
+        engine = getattr(self, "engine", None)  # None: __init__ failed before building it
+        if engine is not None:
+            engine.shutdown()
 
 
 class FerrymanHttpReplica(FerrymanReplica):
@@ -185,7 +187,8 @@ def build_application(
         return serve.deployment(http, name=DEFAULT_NAME, **options).bind(*bound)
     router = RequestRouterConfig(
         request_router_class=PREFIX_ROUTER,
-        request_router_kwargs={"imbalanced_threshold": PREFIX_IMBALANCE},
+        # the tree of prompts seen is trimmed every 10 s once past 400,000 characters
+        request_router_kwargs={"imbalanced_threshold": PREFIX_IMBALANCE, "do_eviction": True},
     )
     engines = serve.deployment(FerrymanReplica, name=DEFAULT_NAME, request_router_config=router, **options)
     ingress = serve.deployment(

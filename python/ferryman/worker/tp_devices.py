@@ -85,37 +85,30 @@ def agree_min(n: int, group: Any) -> int:
     return int(t.item())
 
 
-def everywhere(fn: Callable[[], T], group: Any) -> T:
+def everywhere(fn: Callable[[], T], group: Any, elsewhere: Exception | None = None) -> T:
     """``fn()`` on this rank, returned once every rank of ``group`` has run its own: a rank whose
-    ``fn`` raises makes every rank raise (it its own error), rather than leaving the others
-    waiting in the next collective."""
+    ``fn`` raises makes every rank raise (it its own error, the others ``elsewhere`` or a
+    ``RuntimeError``), rather than leaving the others waiting in the next collective."""
     try:
         out = fn()
     except BaseException:
         agree_min(-1, group)
         raise
     if agree_min(1, group) < 0:
-        raise RuntimeError("another tensor-parallel rank failed while starting (its error is in its log)")
+        raise elsewhere or RuntimeError(
+            "another tensor-parallel rank failed while starting (its error is in its log)"
+        )
     return out
 
 
 def rank_num_blocks(given: int | None, sizing: KvSizing | None, rank: int, group: Any, profile: Any) -> int:
     """This rank's device KV blocks: ``given``, else the smallest over the ranks of what
-    ``profile(sizing, sampler_rows)`` finds on each (a ``ValueError`` there, no room, on any rank,
-    raises on every rank; so does any other error of one rank's profiling, though one inside its
-    forward leaves the others in a collective)."""
+    ``profile(sizing, sampler_rows)`` finds on each (an error there, on any rank, raises on every
+    rank, though one inside its forward leaves the others in a collective)."""
     if given is not None:
         return given
     if sizing is None:
         raise ValueError("a rank with no block count needs a KvSizing to profile its device")
-    err: Exception | None = None
-    try:
-        n = int(profile(sizing, sizing.max_num_seqs if rank == 0 else 0))
-    except Exception as e:
-        n, err = -1, e
-    agreed = agree_min(n, group)
-    if err is not None:
-        raise err
-    if agreed < 0:
-        raise ValueError("another tensor-parallel rank has no memory left for KV blocks")
-    return agreed
+    rows = sizing.max_num_seqs if rank == 0 else 0
+    none_left = ValueError("another tensor-parallel rank has no memory left for KV blocks")
+    return agree_min(everywhere(lambda: int(profile(sizing, rows)), group, none_left), group)

@@ -27,7 +27,7 @@ impl PyRequestParams {
     #[new]
     #[pyo3(signature = (max_tokens, *, priority=0, eos_token_ids=Vec::new(), stop_token_ids=Vec::new(),
         ignore_eos=false, n=1, detokenize=false, stop=Vec::new(), skip_reading_prefix_cache=false,
-        grammar_kind=None, grammar=String::new()))]
+        grammar_kind=None, grammar=String::new(), min_tokens=0, include_stop_str_in_output=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         max_tokens: i64,
@@ -41,11 +41,16 @@ impl PyRequestParams {
         skip_reading_prefix_cache: bool,
         grammar_kind: Option<String>,
         grammar: String,
+        min_tokens: i64,
+        include_stop_str_in_output: bool,
     ) -> PyResult<Self> {
         let ids = |field: &str, v: Vec<i64>| v.into_iter().map(|t| token_id(field, t)).collect::<PyResult<Vec<_>>>();
         if !detokenize && !stop.is_empty() {
             return Err(InvalidRequestError::new_err("stop strings need detokenize=True"));
         }
+        let Ok(min_tokens) = usize::try_from(min_tokens) else {
+            return Err(InvalidRequestError::new_err(format!("min_tokens must be >= 0, got {min_tokens}")));
+        };
         let inner = RequestParams {
             max_tokens: usize::try_from(max_tokens).unwrap_or(0),
             priority,
@@ -53,7 +58,7 @@ impl PyRequestParams {
             stop_token_ids: ids("stop_token_ids", stop_token_ids)?,
             ignore_eos,
             n: u32::try_from(n).unwrap_or(0),
-            text: detokenize.then_some(TextParams { stop }),
+            text: detokenize.then_some(TextParams { stop, min_tokens, include_stop_str_in_output }),
             skip_reading_prefix_cache,
             grammar: grammar_kind.map(|kind| GrammarSpec { kind, data: grammar }),
         };
@@ -111,12 +116,21 @@ impl PyRequestParams {
     fn stop(&self) -> Vec<String> {
         self.inner.text.as_ref().map(|t| t.stop.clone()).unwrap_or_default()
     }
+    #[getter]
+    fn min_tokens(&self) -> usize {
+        self.inner.text.as_ref().map_or(0, |t| t.min_tokens)
+    }
+    #[getter]
+    fn include_stop_str_in_output(&self) -> bool {
+        self.inner.text.as_ref().is_some_and(|t| t.include_stop_str_in_output)
+    }
 
     fn __repr__(&self) -> String {
         let p = &self.inner;
         format!(
             "RequestParams(max_tokens={}, priority={}, eos_token_ids={:?}, stop_token_ids={:?}, ignore_eos={}, \
-             n={}, detokenize={}, stop={:?}, skip_reading_prefix_cache={}, grammar_kind={})",
+             n={}, detokenize={}, stop={:?}, skip_reading_prefix_cache={}, grammar_kind={}, min_tokens={}, \
+             include_stop_str_in_output={})",
             p.max_tokens,
             p.priority,
             p.eos_token_ids,
@@ -127,6 +141,8 @@ impl PyRequestParams {
             self.stop(),
             if p.skip_reading_prefix_cache { "True" } else { "False" },
             p.grammar.as_ref().map_or("None".to_string(), |g| format!("'{}'", g.kind)),
+            self.min_tokens(),
+            if self.include_stop_str_in_output() { "True" } else { "False" },
         )
     }
 }

@@ -280,7 +280,9 @@ class RequestParams:
     ``eos_token_ids`` (the model's EOS ids) finish it with "stop" unless ``ignore_eos``;
     ``stop_token_ids`` always do. ``detokenize`` (needs Scheduler.set_tokenizer) makes update()
     return its text (special tokens add none); ``stop`` strings finish it with "stop", the text
-    ending before the first one to appear. ``skip_reading_prefix_cache``: every prompt position
+    ending before the first one to appear (after it with ``include_stop_str_in_output``), looked
+    for only once more than ``min_tokens`` tokens are out (with detokenize; the sampler holds
+    back stop ids until then). ``skip_reading_prefix_cache``: every prompt position
     is computed, never taken from the prefix cache. ``grammar_kind`` ("json", "json_object",
     "regex", "choice" or "lark") with ``grammar`` (the JSON schema text, the regex, a JSON list of
     strings, the Lark grammar): structured output, compiled by add_request (InvalidRequestError
@@ -300,7 +302,13 @@ class RequestParams:
         skip_reading_prefix_cache: bool = False,
         grammar_kind: str | None = None,
         grammar: str = ...,
+        min_tokens: int = 0,
+        include_stop_str_in_output: bool = False,
     ) -> RequestParams: ...
+    @property
+    def min_tokens(self) -> int: ...
+    @property
+    def include_stop_str_in_output(self) -> bool: ...
     @property
     def grammar_kind(self) -> str | None: ...
     @property

@@ -90,8 +90,14 @@ impl StopParams {
 /// no text).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct TextParams {
-    /// Finish with "stop" at the earliest of these in the text; the text ends before it.
+    /// Finish with "stop" at the earliest of these in the text; the text ends before it (after
+    /// it with `include_stop_str_in_output`).
     pub stop: Vec<String>,
+    /// Stop strings are looked for only once more than this many tokens are out (vLLM's
+    /// `min_tokens`: text before then never stops the sequence).
+    pub min_tokens: usize,
+    /// The matched stop string stays in the text (vLLM's `include_stop_str_in_output`).
+    pub include_stop_str_in_output: bool,
 }
 
 /// Sampling-independent parameters of a new request: the one record a request crosses the

@@ -185,7 +185,9 @@ impl Scheduler {
             });
         }
         let text = match (&p.text, &self.tokenizer) {
-            (Some(t), Some(tok)) => Some(Box::new(SeqText::new(tok, &t.stop))),
+            (Some(t), Some(tok)) => {
+                Some(Box::new(SeqText::with_options(tok, &t.stop, t.min_tokens, t.include_stop_str_in_output)))
+            }
             _ => None,
         };
         let grammar = match &p.grammar {

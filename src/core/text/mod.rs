@@ -10,10 +10,11 @@
 //!   `finish` flushes and releases everything.
 //!
 //! Semantics (those of the Python detokenizer and stop-string check this replaced; vLLM's stop
-//! strings with `include_stop_str_in_output = false`): all deltas of a sequence concatenate to
-//! `decode(output_ids, skip_special_tokens=True)`, cut at the earliest stop-string match. Text
-//! that could still begin a stop string is held back until it cannot, so nothing released is
-//! ever cut later.
+//! strings): all deltas of a sequence concatenate to `decode(output_ids, skip_special_tokens=True)`,
+//! cut at the earliest stop-string match (before it, or after it with
+//! `include_stop_str_in_output`). As in vLLM, stop strings are looked for only from the token
+//! after the first `min_tokens`; a match then may still begin in the text before. Text that could
+//! still begin a stop string is held back until it cannot, so nothing released is ever cut later.
 //!
 //! Invariants: `text[..released]` was released and `text[released..]` is held, both valid
 //! UTF-8; every stop-string match starts in the held part; once `finished`, nothing more is
@@ -138,13 +139,33 @@ pub struct SeqText {
     /// Bytes of `text` released.
     released: usize,
     finished: bool,
+    /// Tokens pushed, and how many of the first ones are never checked for stop strings.
+    num_pushed: usize,
+    min_tokens: usize,
+    /// A match keeps the stop string in the text.
+    include_stop: bool,
 }
 
 impl SeqText {
     /// A sequence with no output yet, decoded with `tok`, stopping at any of `stop` (empty
     /// strings never match).
     pub fn new<S: AsRef<str>>(tok: &Tokenizer, stop: &[S]) -> Self {
-        Self { detok: Detok::new(tok), stops: Stops::new(stop), text: String::new(), released: 0, finished: false }
+        Self::with_options(tok, stop, 0, false)
+    }
+
+    /// `new`, with stop strings looked for only after the first `min_tokens` tokens, and a match
+    /// kept in the text when `include_stop`.
+    pub fn with_options<S: AsRef<str>>(tok: &Tokenizer, stop: &[S], min_tokens: usize, include_stop: bool) -> Self {
+        Self {
+            detok: Detok::new(tok),
+            stops: Stops::new(stop),
+            text: String::new(),
+            released: 0,
+            finished: false,
+            num_pushed: 0,
+            min_tokens,
+            include_stop,
+        }
     }
 
     /// Adds a sampled token (special tokens add no text). On a stop-string match the text is cut
@@ -156,6 +177,7 @@ impl SeqText {
         }
         let new_start = self.text.len();
         self.detok.push(tok, token_id, &mut self.text)?;
+        self.num_pushed += 1;
         Ok(self.check_stops(new_start))
     }
 
@@ -195,12 +217,13 @@ impl SeqText {
     }
 
     fn check_stops(&mut self, new_start: usize) -> Push {
-        if self.text.len() == new_start || self.stops.is_empty() {
+        if self.text.len() == new_start || self.stops.is_empty() || self.num_pushed <= self.min_tokens {
             return Push::Continue;
         }
         match self.stops.find(&self.text[self.released..], new_start - self.released) {
             Some((at, index)) => {
-                self.text.truncate(self.released + at);
+                let keep = if self.include_stop { self.stops.len_of(index) } else { 0 };
+                self.text.truncate(self.released + at + keep);
                 self.finished = true;
                 Push::Stop(index)
             }

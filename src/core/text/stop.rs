@@ -20,6 +20,11 @@ impl Stops {
         self.strs.is_empty()
     }
 
+    /// Bytes of stop string `index`.
+    pub fn len_of(&self, index: usize) -> usize {
+        self.strs[index].len()
+    }
+
     /// The earliest match in `text` that ends after `new_start` (the start of the text just
     /// added): `(byte offset, index of the stop string)`; on a tie the lower index wins. Each
     /// string's search starts `len - 1` bytes before `new_start`, as earlier matches were seen.

@@ -285,3 +285,48 @@ fn a_long_run_of_invalid_bytes_costs_the_same_per_token() {
         assert!(out.is_empty());
     }
 }
+
+/// Pushes `text`'s tokens one by one; the text released and the stop that ended it.
+fn stream_with(s: &mut SeqText, tok: &Tokenizer, text: &str) -> (String, Option<usize>) {
+    let mut out = Vec::new();
+    for id in encode(tok, text) {
+        if let Push::Stop(k) = s.push(tok, id).expect("push") {
+            s.take_delta(&mut out);
+            return (String::from_utf8(out).unwrap(), Some(k));
+        }
+        s.take_delta(&mut out);
+    }
+    let _ = s.finish();
+    s.take_delta(&mut out);
+    (String::from_utf8(out).unwrap(), None)
+}
+
+#[test]
+fn min_tokens_hides_stop_strings_from_the_first_tokens() {
+    let tok = fixtures::byte_level();
+    let ids = encode(&tok, "a.b.c.d");
+    assert_eq!(ids.len(), 7, "one token per character");
+    // stop "." looked for from the third token on: the first "." (token 2) passes, the second
+    // (token 4) stops
+    for (min_tokens, want) in [(0, "a"), (1, "a"), (2, "a.b"), (3, "a.b"), (4, "a.b.c"), (7, "a.b.c.d")] {
+        let mut s = SeqText::with_options(&tok, &["."], min_tokens, false);
+        let (text, stopped) = stream_with(&mut s, &tok, "a.b.c.d");
+        assert_eq!(text, want, "min_tokens {min_tokens}");
+        assert_eq!(stopped.is_some(), min_tokens < 6, "min_tokens {min_tokens}");
+    }
+    // a match that completes after min_tokens may begin before: "b.c" ends at token 5
+    let mut s = SeqText::with_options(&tok, &["b.c"], 4, false);
+    assert_eq!(stream_with(&mut s, &tok, "a.b.c.d"), ("a.".to_string(), Some(0)));
+}
+
+#[test]
+fn include_stop_str_in_output_keeps_the_match() {
+    for tok in [fixtures::byte_level(), fixtures::sentencepiece()] {
+        let mut s = SeqText::with_options(&tok, &["zz", "the end"], 0, true);
+        let (text, stopped) = stream_with(&mut s, &tok, "so that is the end of it");
+        assert_eq!(stopped, Some(1));
+        assert!(text.ends_with("is the end"), "{text:?}");
+        let mut s = SeqText::new(&tok, &["zz", "the end"]);
+        assert!(stream_with(&mut s, &tok, "so that is the end of it").0.ends_with("is "));
+    }
+}

@@ -15,3 +15,9 @@ fi
 export VIRTUAL_ENV="$VENV" PATH="$VENV/bin:$PATH"
 export PYO3_PYTHON="$VENV/bin/python"
 ferryman_build() { maturin develop --release --quiet; }
+# an editable install made from another checkout (say a clean clone CI ran in) imports that
+# one: say so, since whoever sources this file alone builds nothing
+if ! "$VENV/bin/python" -c "import importlib.util as u, os, sys; s = u.find_spec('ferryman'); \
+sys.exit(s is None or not os.path.realpath(s.origin).startswith(os.path.realpath('python') + os.sep))" 2>/dev/null; then
+  echo "setup.sh: the ferryman in $VENV is not this checkout's; ferryman_build installs it" >&2
+fi

@@ -4,7 +4,14 @@
 use ferryman_core::{Policy, PreemptionModeConfig, SchedulerConfig};
 use pyo3::prelude::*;
 
-use crate::py_errors::to_pyerr;
+use crate::py_errors::{to_pyerr, InvalidRequestError};
+
+/// A size or count from Python: a negative one is an `InvalidRequestError` naming it (not the
+/// `OverflowError` of converting it to an unsigned integer).
+fn count(field: &str, v: Option<i64>) -> PyResult<Option<usize>> {
+    v.map(|n| usize::try_from(n).map_err(|_| InvalidRequestError::new_err(format!("{field} must be >= 0, got {n}"))))
+        .transpose()
+}
 
 /// The scheduler's knobs; validated on construction.
 #[pyclass(name = "SchedulerConfig", module = "ferryman._core", frozen)]
@@ -24,12 +31,12 @@ impl PySchedulerConfig {
         prefill_tokens_per_s=None, async_scheduling=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        block_size: Option<usize>,
-        num_device_blocks: Option<usize>,
-        num_host_blocks: Option<usize>,
-        max_num_batched_tokens: Option<usize>,
-        max_num_seqs: Option<usize>,
-        max_model_len: Option<usize>,
+        block_size: Option<i64>,
+        num_device_blocks: Option<i64>,
+        num_host_blocks: Option<i64>,
+        max_num_batched_tokens: Option<i64>,
+        max_num_seqs: Option<i64>,
+        max_model_len: Option<i64>,
         enable_chunked_prefill: Option<bool>,
         enable_prefix_caching: Option<bool>,
         preemption_mode: Option<&str>,
@@ -42,12 +49,13 @@ impl PySchedulerConfig {
     ) -> PyResult<Self> {
         let d = SchedulerConfig::default();
         let inner = SchedulerConfig {
-            block_size: block_size.unwrap_or(d.block_size),
-            num_device_blocks: num_device_blocks.unwrap_or(d.num_device_blocks),
-            num_host_blocks: num_host_blocks.unwrap_or(d.num_host_blocks),
-            max_num_batched_tokens: max_num_batched_tokens.unwrap_or(d.max_num_batched_tokens),
-            max_num_seqs: max_num_seqs.unwrap_or(d.max_num_seqs),
-            max_model_len: max_model_len.unwrap_or(d.max_model_len),
+            block_size: count("block_size", block_size)?.unwrap_or(d.block_size),
+            num_device_blocks: count("num_device_blocks", num_device_blocks)?.unwrap_or(d.num_device_blocks),
+            num_host_blocks: count("num_host_blocks", num_host_blocks)?.unwrap_or(d.num_host_blocks),
+            max_num_batched_tokens: count("max_num_batched_tokens", max_num_batched_tokens)?
+                .unwrap_or(d.max_num_batched_tokens),
+            max_num_seqs: count("max_num_seqs", max_num_seqs)?.unwrap_or(d.max_num_seqs),
+            max_model_len: count("max_model_len", max_model_len)?.unwrap_or(d.max_model_len),
             enable_chunked_prefill: enable_chunked_prefill.unwrap_or(d.enable_chunked_prefill),
             enable_prefix_caching: enable_prefix_caching.unwrap_or(d.enable_prefix_caching),
             preemption_mode: match preemption_mode {

@@ -17,16 +17,22 @@ from typing import Any
 from ferryman.sampling_params import SamplingParams
 
 
-def _span(s: str) -> tuple[int, int]:
+def _span(s: str, least: int = 1) -> tuple[int, int]:
+    """``LO:HI`` (or ``N``) with ``least <= LO <= HI``; ``ValueError`` otherwise."""
     lo, _, hi = s.partition(":")
-    return int(lo), int(hi or lo)
+    span = int(lo), int(hi or lo)
+    if not least <= span[0] <= span[1]:
+        raise ValueError(f"{s!r}: want LO:HI with {least} <= LO <= HI")
+    return span
 
 
 def workload(
     token_range: str, n: int, input_len: str, output_len: str, seed: int
 ) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
-    (tlo, thi), (ilo, ihi), (olo, ohi) = _span(token_range), _span(input_len), _span(output_len)
+    (tlo, thi), (ilo, ihi), (olo, ohi) = _span(token_range, 0), _span(input_len), _span(output_len)
+    if thi == tlo:
+        raise ValueError(f"--token-range {token_range!r}: token ids are drawn from LO to HI - 1")
     return [
         ([rng.randrange(tlo, thi) for _ in range(rng.randint(ilo, ihi))], rng.randint(olo, ohi))
         for _ in range(n)

@@ -37,6 +37,7 @@ from ferryman.engine_setup import build_parts
 from ferryman.output_processor import OutputProcessor, RequestState
 from ferryman.outputs import PreemptionEvent, RequestMetrics, StepResult, StepStats
 from ferryman.sampling_params import SamplingParams
+from ferryman.tokenizer import prompt_ids
 from ferryman.worker.sampling_table import SamplingTable
 from ferryman.worker.step_worker import InFlight as _InFlight
 from ferryman.worker.step_worker import Sampled, StepWorker, parse_fault_steps
@@ -103,20 +104,23 @@ class Engine(FaultsMixin, OfflineMixin):
         prompt: Prompt,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        prompt_token_ids: list[int] | None = None,
     ) -> None:
         """Queues a request; raises ``InvalidRequestError`` (a ``ValueError``) if it can never run.
-        ``arrival_time`` (``time.monotonic()``) defaults to now."""
+        ``arrival_time`` (``time.monotonic()``) defaults to now. ``prompt_token_ids``: a text
+        prompt's ids as ``tokenize`` gave them (the server tokenizes off the engine's thread)."""
         params = params or SamplingParams()
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if request_id in self._core_ids:
             raise InvalidRequestError(f"request {request_id!r} already exists")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer, and this model has none")
-        text, ids = self._tokenize(prompt)
-        vocab = self.model.cfg.vocab_size
-        bad = next((t for t in params.logit_bias or () if t >= vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"logit_bias: token id {bad} out of range [0, {vocab})")
+        text: str | None
+        if prompt_token_ids is not None and isinstance(prompt, str):
+            text, ids = prompt, prompt_token_ids
+        else:
+            text, ids = self.tokenize(prompt)
+        params.check_model(self.model.cfg.vocab_size, self.args.max_logprobs)
         room = min(
             max(1, self.max_model_len - len(ids)), self.generation_defaults.get("max_tokens") or 1 << 62
         )
@@ -131,6 +135,8 @@ class Engine(FaultsMixin, OfflineMixin):
             n=params.n,
             detokenize=self.tokenizer is not None,
             stop=params.stop,
+            min_tokens=params.min_tokens,
+            include_stop_str_in_output=params.include_stop_str_in_output,
             skip_reading_prefix_cache=params.prompt_logprobs is not None,
             grammar_kind=kind,
             grammar=grammar,
@@ -285,15 +291,7 @@ class Engine(FaultsMixin, OfflineMixin):
             ]
         return StepResult(outputs + failed, StepStats.of(out, res.num_generated), events)
 
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer: pass prompts as token-id lists")
-            ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))
-            return prompt, ids
-        ids = [int(t) for t in prompt]
-        vocab = self.model.cfg.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} out of range [0, {vocab})")
-        return None, ids
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """A prompt's text (None for token ids) and ids, as ``add_request`` takes them
+        (``prompt_ids``); safe to call from another thread."""
+        return prompt_ids(self.tokenizer, self.model.cfg.vocab_size, prompt)

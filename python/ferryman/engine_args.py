@@ -160,6 +160,9 @@ class EngineArgs(SchedulerArgs):
         "with CUDA; off on CPU, where the forward dwarfs the host work and it measured no gain)",
     )
     seed: int = knob(0, "engine seed: sampling seeds of requests that bring none")
+    max_logprobs: int = knob(
+        20, "most logprobs (and prompt logprobs) a request may ask for per token", check=at_least(0)
+    )
     tensor_parallel_size: int = knob(
         1,
         "processes one model is split over (tensor parallelism: gloo on CPU; NCCL with one GPU per "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from numbers import Integral
 from typing import TYPE_CHECKING, Any, cast
 
 from ferryman._core import InvalidRequestError, Scheduler
@@ -31,6 +32,7 @@ class OfflineMixin:
             arrival_time: float | None = None,
         ) -> None: ...
         def step(self) -> StepResult: ...
+        def abort_request(self, request_id: str) -> bool: ...
         def has_unfinished_requests(self) -> bool: ...
 
     def default_sampling_params(self) -> SamplingParams:
@@ -48,23 +50,34 @@ class OfflineMixin:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs come back in input order."""
+        """Runs every prompt to completion; outputs come back in input order. A prompt or
+        parameter set that is refused refuses the whole call: nothing of it stays queued."""
         plist: list[Prompt]
-        if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], Integral)):
             plist = [cast(Prompt, prompts)]
         else:
             plist = list(cast(Sequence[Prompt], prompts))
         if sampling_params is None:
             sampling_params = self.default_sampling_params()
         params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(plist)
+        if len(params) != len(plist):
+            raise ValueError(f"{len(plist)} prompts but {len(params)} sampling parameter sets")
         ids = [f"generate-{self._num_added + i}" for i in range(len(plist))]
-        for rid, p, sp in zip(ids, plist, params, strict=True):
-            self.add_request(rid, p, dataclasses.replace(sp, output_kind="final_only"))
+        added: list[str] = []
+        try:
+            for rid, p, sp in zip(ids, plist, params, strict=True):
+                self.add_request(rid, p, dataclasses.replace(sp, output_kind="final_only"))
+                added.append(rid)
+        except BaseException:
+            for rid in added:
+                self.abort_request(rid)
+            raise
         final: dict[str, RequestOutput] = {}
+        wanted = set(ids)
         bar = _progress(len(plist)) if use_tqdm else None
         while len(final) < len(ids) and self.has_unfinished_requests():
             for ro in self.step().outputs:
-                if ro.finished:
+                if ro.finished and ro.request_id in wanted:
                     final[ro.request_id] = ro
                     if bar is not None:
                         bar.update(1)
@@ -83,7 +96,10 @@ class OfflineMixin:
         """Applies the model's chat template to ``messages`` and generates the reply."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model has no chat template")
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # the template refuses the conversation (a message without content, ...)
+            raise InvalidRequestError(f"chat template: {e}") from None
         return self.generate([prompt], sampling_params, use_tqdm)[0]
 
 

@@ -1,5 +1,6 @@
 """Building an engine's parts from ``EngineArgs``: the device and dtype, the model and tokenizer,
-its context length (checked against the model: ``model_loader.check_context``) and the sampling
+its context length (checked against the model: ``model_loader.check_context``; when not given,
+at most what the device KV pool holds, so that every request it admits can fit) and the sampling
 defaults of its ``generation_config.json``, the KV pools (sized by profiling on CUDA, on every
 tensor-parallel rank; by ``kv_cache_memory`` on CPU; the host pool by ``swap_space``), the model
 runner, start-up calibration of the cost model, and the Rust ``Scheduler`` configured with all
@@ -11,6 +12,7 @@ Invariant: the scheduler's pool sizes, block size and ``bytes_per_block`` are th
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -30,6 +32,8 @@ from ferryman.worker.model_runner import ModelRunner, runner_with_pool
 from ferryman.worker.tp_devices import KvSizing, check_devices
 from ferryman.worker.tp_workers import RankSpec, SpawnedWorkers, Workers, free_port
 from ferryman.worker.tp_workers import start as start_ranks
+
+log = logging.getLogger("ferryman")
 
 
 @dataclass(slots=True)
@@ -79,6 +83,9 @@ def build_parts(args: EngineArgs) -> EngineParts:
     path = resolve_model_path(args.model, weights=args.load_format != "dummy")
     n = args.tensor_parallel_size
     cannot = check_devices(device, n, args.distributed_executor_backend) if n > 1 else None
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 1 and device.type == "cuda" and (device.index or 0) >= count:  # a clear error, before loading
+        cannot = f"device {args.device!r}: no such CUDA GPU here ({count} visible; 'cpu' runs on the CPU)"
     if cannot is not None:
         raise InvalidRequestError(cannot)
     if n > 1 and args.load_format == "dummy":
@@ -125,6 +132,14 @@ def build_parts(args: EngineArgs) -> EngineParts:
         )
     kv = runner.kv
     num_device_blocks = kv.num_device_blocks  # over ranks that profiled, the count they agreed on
+    if args.max_model_len is None and num_device_blocks * block_size < max_model_len:
+        # a request of the model's whole context could never fit: the context is what the pool holds
+        # (an open max_tokens then fills the pool, instead of asking for more than it has)
+        log.warning(
+            "the KV pool holds %d tokens, fewer than the model's context of %d: max_model_len is %d",
+            num_device_blocks * block_size, max_model_len, num_device_blocks * block_size,
+        )  # fmt: skip
+        max_model_len = num_device_blocks * block_size
     calibration: dict[str, float] = {}
     started = time.perf_counter()
     if args.calibrate:  # with tensor parallelism the prefill runs on every rank (through the runner)

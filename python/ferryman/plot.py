@@ -21,6 +21,14 @@ def plot_trace(trace: str | Path, out: str | Path) -> str:
     steps = [r for r in read_trace(trace) if r.get("type") == "step"]
     if not steps:
         raise ValueError(f"{trace}: no step records")
+    need = [
+        *("step", "num_free_device_blocks", "num_device_blocks", "num_free_host_blocks", "num_host_blocks"),
+        *("num_scheduled_tokens", "num_prefill_tokens", "token_budget", "preemptions"),
+        *("num_running", "num_waiting", "num_swapped"),
+    ]
+    broken = next(((i, k) for i, r in enumerate(steps) for k in need if k not in r), None)
+    if broken is not None:
+        raise ValueError(f"{trace}: step record {broken[0]} has no {broken[1]!r}: not a ferryman trace")
     x = [r["step"] for r in steps]
 
     def pct(num: str, den: str, free: bool = False) -> list[float]:

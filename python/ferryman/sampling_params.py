@@ -4,10 +4,52 @@ StructuredOutputsParams: the grammar a request's output must follow."""
 from __future__ import annotations
 
 import json
+import operator
 from dataclasses import dataclass, field
+from numbers import Real
 from typing import Any
 
+from ferryman._core import InvalidRequestError
+
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+# integer fields, and what the core and the sampling table store them in (int32 or int64)
+_I32, _I64 = (-(2**31), 2**31), (-(2**63), 2**63)
+_INTS = {"n": _I32, "top_k": _I64, "priority": _I32, "min_tokens": _I64}
+_OPTIONAL_INTS = {"seed": _I64, "max_tokens": _I64, "logprobs": _I32, "prompt_logprobs": _I32}
+_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def _check_types(p: SamplingParams) -> None:
+    """Every field of the type it must have (an integer-like value becomes an ``int``, a real
+    number a ``float``), integers within what the core and the sampler store: ``ValueError``
+    naming the field otherwise, so that a request is refused before anything of it is queued."""
+    for name, (lo, hi) in (_INTS | _OPTIONAL_INTS).items():
+        v = getattr(p, name)
+        if v is None and name in _OPTIONAL_INTS:
+            continue
+        try:
+            v = operator.index(v)
+        except TypeError:
+            raise ValueError(f"{name} must be an integer, got {v!r}") from None
+        if not lo <= v < hi:
+            raise ValueError(f"{name} must be in [{lo}, {hi}), got {v}")
+        setattr(p, name, v)
+    for name in _FLOATS:
+        v = getattr(p, name)
+        if isinstance(v, bool) or not isinstance(v, Real):
+            raise ValueError(f"{name} must be a number, got {v!r}")
+        setattr(p, name, float(v))
+    for name in ("ignore_eos", "include_stop_str_in_output"):
+        if not isinstance(getattr(p, name), bool):
+            raise ValueError(f"{name} must be True or False, got {getattr(p, name)!r}")
+    if not all(isinstance(s, str) for s in p.stop):
+        raise ValueError(f"stop must be a string or a list of strings, got {p.stop!r}")
+    try:
+        p.stop_token_ids = [operator.index(t) for t in p.stop_token_ids]
+    except TypeError:
+        raise ValueError(f"stop_token_ids must be token ids, got {p.stop_token_ids!r}") from None
+    if any(not 0 <= t < 2**31 for t in p.stop_token_ids):
+        raise ValueError(f"stop_token_ids: token ids must be in [0, 2**31), got {p.stop_token_ids}")
 
 
 @dataclass(slots=True, frozen=True)
@@ -62,7 +104,8 @@ class SamplingParams:
     regardless of the batch it runs in.
 
     Before any filter (greedy included), in this order, as vLLM applies them: ``min_tokens``
-    (the EOS ids and ``stop_token_ids`` cannot be sampled before that many output tokens),
+    (the EOS ids and ``stop_token_ids`` cannot be sampled before that many output tokens, and
+    ``stop`` strings are looked for only after them),
     ``logit_bias`` (``{token_id: bias}`` added to the logits), then the penalties over each
     sequence's own tokens: ``repetition_penalty`` (vLLM's: a logit of a token in the prompt or the
     output so far is divided by it if positive, multiplied if not), ``frequency_penalty`` (minus
@@ -95,10 +138,14 @@ class SamplingParams:
     output_kind: str = "cumulative"
     # the output follows this grammar (JSON schema, regex, choice, Lark); see StructuredOutputsParams
     structured_outputs: StructuredOutputsParams | None = None
+    # a matched stop string stays at the end of the text (vLLM's); by default the text ends before it
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self.stop, self.stop_token_ids = self.stop or [], self.stop_token_ids or []
+        _check_types(self)
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if not 0 <= self.temperature <= MAX_TEMPERATURE:  # NaN fails too
@@ -135,6 +182,18 @@ class SamplingParams:
             if bad is not None:
                 raise ValueError(f"logit_bias: token ids must be >= 0 and biases in [-100, 100], got {bad}")
             self.logit_bias = bias
+
+    def check_model(self, vocab_size: int, max_logprobs: int) -> None:
+        """``InvalidRequestError`` unless the model can serve these: logit-bias ids within its
+        vocabulary, and at most ``max_logprobs`` logprobs (and prompt logprobs) per token."""
+        bad = next((t for t in self.logit_bias or () if t >= vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"logit_bias: token id {bad} out of range [0, {vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            most = min(max_logprobs, vocab_size)
+            if v is not None and v > most:
+                raise InvalidRequestError(f"{name} must be at most {most} (max_logprobs), got {v}")
 
     @property
     def penalized(self) -> bool:

@@ -24,6 +24,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from ferryman._core import InvalidRequestError
 from ferryman.chat_template import render
 
 PLAIN_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
@@ -95,8 +96,15 @@ class ChatTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The ids of ``text``; ``add_special_tokens`` applies the tokenizer's post-processor (a
-        BOS or EOS where its file asks for one)."""
-        return list(self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        BOS or EOS where its file asks for one). Text that is not valid Unicode (a lone
+        surrogate) is a ``ValueError``. Runs without the GIL (``encode_batch`` releases it, a single
+        ``encode`` does not), so a long prompt tokenized on one thread does not stall the others."""
+        try:
+            enc = self.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+        except TypeError:
+            check_text(text)
+            raise
+        return list(enc[0].ids)
 
     def decode(self, ids: int | Iterable[int], skip_special_tokens: bool = False) -> str:
         seq = [ids] if isinstance(ids, int) else [int(i) for i in ids]
@@ -153,6 +161,36 @@ class ChatTokenizer:
                 shutil.copytree(src, out / name, dirs_exist_ok=True)
             elif src.is_file():
                 shutil.copyfile(src, out / name)
+
+
+def check_text(text: Any, what: str = "prompt") -> None:
+    """``ValueError`` unless ``text`` is a string of valid Unicode (JSON can carry a lone
+    surrogate, ``"\\ud800"``, which no encoding represents)."""
+    if not isinstance(text, str):
+        raise ValueError(f"{what} must be a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode text: {e.reason} at character {e.start}") from None
+
+
+def prompt_ids(tokenizer: Any, vocab_size: int, prompt: str | Iterable[int]) -> tuple[str | None, list[int]]:
+    """A prompt's text (None for token ids) and ids: text through ``tokenizer`` (without special
+    tokens), ids checked against the vocabulary. ``InvalidRequestError`` for text without a
+    tokenizer, text that is not valid Unicode, or ids outside the vocabulary."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: pass prompts as token-id lists")
+        try:
+            check_text(prompt)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        return prompt, list(tokenizer.encode(prompt, add_special_tokens=False))
+    ids = [int(t) for t in prompt]
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"token id {bad} out of range [0, {vocab_size})")
+    return None, ids
 
 
 def _token_text(value: Any) -> str | None:

@@ -86,6 +86,9 @@ def read_trace(path: str | Path) -> Iterator[dict[str, Any]]:
             if not line:
                 continue
             try:
-                yield json.loads(line)
+                record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: not a JSON trace line ({e.msg})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{n}: a trace line is a JSON object, got {type(record).__name__}")
+            yield record

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_models import build
 
 from ferryman.cli import main
@@ -214,3 +215,28 @@ def test_ferryman_runs_without_ray_and_what_needs_ray_says_so() -> None:
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--ray needs ray[serve]" in p.stderr, p.stderr
     assert "distributed_executor_backend='ray' needs ray" in p.stdout, p.stdout
+
+
+def test_bad_files_and_values_are_said_without_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plot", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "x.png")]) == 1
+    assert "No such file" in capsys.readouterr().err
+    for line, said in (('{"type": "step"}', "has no 'step'"), ("[1, 2]", "a trace line is a JSON object")):
+        trace = tmp_path / "t.jsonl"
+        trace.write_text(line + "\n")
+        assert main(["plot", str(trace), "-o", str(tmp_path / "x.png")]) == 2
+        assert said in capsys.readouterr().err
+    sim = ["sim", "--num-requests", "5", "--model-shape", "smollm2-135m"]
+    assert main([*sim, "--shape-set", "num_layers=0"]) == 2
+    assert "num_layers must be > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main([*sim, "--arrival", "burst", "--burst-size", "0"])
+    assert e.value.code == 2 and "must be >= 1" in capsys.readouterr().err
+    bench = ((["--num-prompts", "0"], "--num-prompts must be >= 1"), (["--output-len", "9:3"], "LO <= HI"))
+    for flags, said in bench:
+        assert main(["bench", "throughput", "--no-hf", *flags]) == 2
+        assert said in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["generate", "hi", "--device", "cuda"]) == 2
+        assert "no such CUDA GPU here (0 visible" in capsys.readouterr().err

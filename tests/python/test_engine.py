@@ -9,6 +9,7 @@ import gc
 import weakref
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from tiny_models import build, dense_causal
@@ -160,6 +161,29 @@ def test_bad_requests_are_rejected_and_others_keep_running(models: dict[str, Pat
     assert eng.abort_request("ok") and not eng.abort_request("ok")
     out = eng.generate([PROMPTS[0]], GREEDY)
     assert len(out[0].outputs[0].token_ids) == 12
+
+
+def test_a_refused_request_or_call_leaves_nothing_queued(models: dict[str, Path]) -> None:
+    # no max_model_len given and a pool smaller than the context (256): the context is the pool's
+    eng = Engine(str(models["llama"]), block_size=4, num_device_blocks=16, calibrate=False)
+    assert eng.max_model_len == 64 and eng.scheduler.config.max_model_len == 64
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**63)  # the sampler's seeds are int64
+    for bad in ({"n": 1.5}, {"stop": [1]}, {"priority": "hi"}, {"ignore_eos": "no"}, {"top_k": 2.5}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)  # type: ignore[arg-type]
+    for name in ("logprobs", "prompt_logprobs"):  # past max_logprobs (20): refused, not a failed step
+        with pytest.raises(InvalidRequestError, match=f"{name} must be at most 20"):
+            eng.add_request(name, [3, 4], SamplingParams(max_tokens=2, **{name: 21}))  # type: ignore[arg-type]
+    # a generate() whose later prompt is refused queues none of its prompts
+    with pytest.raises(InvalidRequestError, match="out of range"):
+        eng.generate([PROMPTS[0], [-1]], GREEDY)
+    with pytest.raises(ValueError, match="2 prompts but 3"):
+        eng.generate(PROMPTS[:2], [GREEDY] * 3)
+    assert not eng.has_unfinished_requests() and eng.stats()["num_waiting"] == 0
+    out = eng.generate(PROMPTS[:2], GREEDY)
+    assert [len(o.outputs[0].token_ids) for o in out] == [12, 12]
+    assert eng.generate(np.array(PROMPTS[0]), GREEDY)[0].outputs[0].token_ids == out[0].outputs[0].token_ids
 
 
 def test_bench_throughput_smoke(models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:

@@ -93,6 +93,9 @@ MODEL_LIMITS = re.compile(
     # tool_choice against tools: a rule between fields
     r"|^tool_choice .* needs tools$|^tool_choice names .*, which is not among the tools$"
     r"|^tool_choice and a structured output cannot both constrain a request$"
+    # more rules between fields (OpenAI's and vLLM's)
+    r"|^best_of is not supported \(only best_of == n|^top_logprobs needs logprobs: true$"
+    r"|^stream_options is only allowed with stream: true$|^continue_final_message"
 )
 
 
@@ -109,7 +112,10 @@ def positive_data_served(ctx: CheckContext, response: Response, case: Case) -> b
     """``positive_data_acceptance``, but for a refusal that only the model can make: a tolerance
     the schema cannot remove (token counts of text, the vocabulary are not JSON Schema), and
     ``min_tokens`` above ``max_tokens`` (a rule between two fields), a grammar that does not
-    compile or two that are asked for at once, a ``tool_choice`` its ``tools`` do not allow."""
+    compile or two that are asked for at once, a ``tool_choice`` its ``tools`` do not allow,
+    ``best_of`` other than ``n``, ``top_logprobs`` without ``logprobs``, ``stream_options``
+    without ``stream``, ``continue_final_message`` with ``add_generation_prompt`` or after a
+    message that is not an assistant's."""
     err = _error(response)
     if response.status_code == 400 and err is not None and MODEL_LIMITS.search(str(err.get("message"))):
         return None

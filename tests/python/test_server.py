@@ -6,6 +6,7 @@ against a KV pool small enough that every preemption mode preempts."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import socket
@@ -262,6 +263,24 @@ BAD_REQUESTS: list[tuple[str, Any, int, str]] = [
         "response_format",
     ),
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "store": True}, 400, "store"),
+    # JSON can carry a lone surrogate, which is no text (json.dumps escapes it: "\\ud800")
+    (CHAT, json.dumps({"messages": [{"role": "user", "content": "a\ud800"}]}), 400, "not valid Unicode"),
+    (CMPL, json.dumps({"prompt": ["ok", "\udfff"]}), 400, "nicode"),
+    ("/tokenize", json.dumps({"prompt": "\ud800"}), 400, "not valid Unicode"),
+    (
+        "/tokenize",
+        json.dumps({"messages": [{"role": "user", "content": "\ud800"}]}),
+        400,
+        "not valid Unicode",
+    ),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "needs logprobs"),
+    (CMPL, {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True},
+        400,
+        "add_generation_prompt",
+    ),
 ]
 
 
@@ -511,3 +530,49 @@ def test_echo_with_logprobs_as_lm_eval_asks(server: Server, offline: Engine) -> 
         for c in e["choices"]:
             texts[c["index"]] = texts.get(c["index"], "") + c["text"]
     assert texts == {c["index"]: c["text"] for c in plain}
+
+
+def test_vllm_and_openai_request_fields(server: Server, offline: Engine) -> None:
+    """null means the default; stop strings with min_tokens and include_stop_str_in_output (the
+    offline engine as the oracle); best_of == n; continue_final_message."""
+    base = {"prompt": "Hello", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+
+    def text(**extra: Any) -> str:
+        r = httpx.post(server.url + CMPL, json={**base, **extra})
+        assert r.status_code == 200, r.text
+        return str(r.json()["choices"][0]["text"])
+
+    full = text()
+    assert text(n=None, top_p=None, stream=None, echo=None, seed=None, logprobs=None, min_tokens=None) == full
+    assert text(best_of=1) == full
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    out = offline.generate("Hello", greedy)[0].outputs[0]
+    assert out.text == full
+    stop = next(c for c in full if c.isascii() and c.isprintable() and full.index(c) >= 1)
+    at = full.index(stop)
+    assert text(stop=[stop]) == full[:at]
+    assert text(stop=[stop], include_stop_str_in_output=True) == full[: at + 1]
+    # the first token whose text holds the stop string: with min_tokens that many, it is passed
+    first = next(k for k in range(1, 13) if stop in offline.tokenizer.decode(out.token_ids[:k]))
+    held = text(stop=[stop], min_tokens=first)
+    sp = dataclasses.replace(greedy, stop=[stop], min_tokens=first)
+    assert held == offline.generate("Hello", sp)[0].outputs[0].text
+    assert held.startswith(full[: at + 1]) and len(held) > at
+    assert text(stop=[stop], min_tokens=12) == full
+    # a streamed choice's text_offset runs on across chunks, as one response's does
+    lp = {**base, "max_tokens": 6, "logprobs": 0}
+    for extra in ({}, {"echo": True}):
+        plain = httpx.post(server.url + CMPL, json={**lp, **extra}).json()["choices"][0]["logprobs"]
+        with httpx.stream("POST", server.url + CMPL, json={**lp, **extra, "stream": True}) as resp:
+            chunks = [c["logprobs"] for e in sse(resp.iter_lines()) for c in e["choices"] if c["logprobs"]]
+        assert [o for c in chunks for o in c["text_offset"]] == plain["text_offset"], extra
+    # the last message left open: the prompt ends with its text, not with the end of its turn
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once"}]
+    usage: dict[bool, int] = {}
+    for cont in (False, True):
+        body = {"messages": msgs, "max_tokens": 2, "add_generation_prompt": False}
+        body["continue_final_message"] = cont
+        r = httpx.post(server.url + CHAT, json=body)
+        assert r.status_code == 200, r.text
+        usage[cont] = r.json()["usage"]["prompt_tokens"]
+    assert usage[True] < usage[False]

@@ -27,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad input (sampling values, a grammar, a model path): said, not a traceback
         print(f"ferryman {a.cmd}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a file to read or write that cannot be (a trace, a workload, a plot)
+        print(f"ferryman {a.cmd}: error: {e}", file=sys.stderr)
+        return 1
     return status
 
 

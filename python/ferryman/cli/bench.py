@@ -94,6 +94,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 def run_throughput(a: argparse.Namespace) -> int:
     from ferryman import bench
 
+    if a.num_prompts < 1 or (a.pool_fraction is not None and not 0 < a.pool_fraction <= 1):
+        raise ValueError("--num-prompts must be >= 1 and --pool-fraction in (0, 1]")
     work = bench.workload(a.token_range, a.num_prompts, a.input_len, a.output_len, a.seed)
     demand = bench.demand_blocks(work)
     sampling = bench.Sampling(a.temperature, a.top_p, a.top_k)

@@ -29,10 +29,10 @@ def register(sub: Any) -> None:
         "--shape-set", action="append", default=[], metavar="FIELD=VALUE", help="override a shape field"
     )
     w = p.add_argument_group("workload")
-    w.add_argument("--num-requests", type=int, default=1000)
+    w.add_argument("--num-requests", type=_positive, default=1000)
     w.add_argument("--rate", type=float, default=8.0, help="requests per second (inf: all at t=0)")
     w.add_argument("--arrival", default="poisson", choices=["poisson", "burst"])
-    w.add_argument("--burst-size", type=int, default=64)
+    w.add_argument("--burst-size", type=_positive, default=64)
     w.add_argument(
         "--prompt-len", default="uniform:128:1024", help="fixed:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA"
     )
@@ -54,6 +54,13 @@ def register(sub: Any) -> None:
     p.add_argument("--plot", default=None, help="with --sweep: a PNG of throughput and TTFT per value")
     p.add_argument("--json", action="store_true", help="print JSON (one object, or one per sweep value)")
     p.set_defaults(run=run)
+
+
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
 
 
 def _pairs(items: list[str]) -> dict[str, Any]:

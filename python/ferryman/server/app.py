@@ -106,7 +106,8 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    add_tokenizer_routes(app, tokenizer, engine.engine.model.cfg.vocab_size, max_model_len, check_model)
+    vocab = engine.engine.model.cfg.vocab_size
+    add_tokenizer_routes(app, tokenizer, vocab, max_model_len, check_model, engine.offload)
 
     @app.get("/v1/models", responses=ERRORS)
     async def models() -> api.ModelList:
@@ -131,6 +132,10 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
         rid, streams = await submit("cmpl", prompts, params)
         n = params.n
 
+        def echo_head(i: int) -> str:
+            p = prompts[i]
+            return p if isinstance(p, str) else str(tokenizer.decode(p)) if tokenizer is not None else ""
+
         def with_prompt(
             i: int, text: str, lp: api.CompletionLogprobs | None, pdata: tuple[list[int], list[Any]] | None
         ) -> tuple[str, api.CompletionLogprobs | None, list[dict[str, float] | None] | None]:
@@ -141,8 +146,7 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
                 plp = responses.by_token_id(pdata[1])
             if not body.echo:
                 return text, lp, plp
-            p = prompts[i]
-            head = p if isinstance(p, str) else str(tokenizer.decode(p)) if tokenizer is not None else ""
+            head = echo_head(i)
             if lp is not None and pdata is not None:
                 full = responses.echo_logprobs(*pdata, token_str)
                 lp = api.CompletionLogprobs(
@@ -156,18 +160,21 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
-            first: set[int] = set()
+            # each choice's text_offset so far: its chunks' offsets run on as one response's do
+            offsets: dict[int, int] = {}
 
             def choice(i: int, d: Delta, u: Update) -> api.CompletionChoice:
-                lp = responses.completion_logprobs(d.token_ids, d.logprobs, token_str, 0)
                 c = i * n + d.index
+                first, start = c not in offsets, offsets.get(c, 0)
+                lp = responses.completion_logprobs(d.token_ids, d.logprobs, token_str, start)
+                offsets[c] = start + (sum(len(t) for t in lp.tokens) if lp is not None else 0)
                 text, plp = d.text, None
-                if c not in first:  # the echoed prompt goes out with the choice's first chunk
-                    first.add(c)
+                if first:  # the echoed prompt goes out with the choice's first chunk
                     pdata = None
                     if u.prompt_token_ids is not None and u.prompt_logprobs is not None:
                         pdata = (u.prompt_token_ids, u.prompt_logprobs)
                     text, lp, plp = with_prompt(i, text, lp, pdata)
+                    offsets[c] += len(echo_head(i)) if body.echo else 0
                 return api.CompletionChoice(
                     index=c, text=text, logprobs=lp, finish_reason=d.finish_reason, prompt_logprobs=plp
                 )

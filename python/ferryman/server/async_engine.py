@@ -4,7 +4,9 @@ submits and aborts requests, each streaming its deltas through its own queue.
 Ownership: only the engine thread touches the ``Engine`` (and so the core); the event loop talks
 to it through a command queue and receives ``Update`` objects, copies made on the engine thread,
 through ``loop.call_soon_threadsafe``. A forward pass therefore never blocks the event loop
-(torch releases the GIL while it computes).
+(torch releases the GIL while it computes). Text prompts are tokenized before that, one at a time
+on a thread of their own (``offload``; ferryman's tokenizer encodes without the GIL), so a long
+prompt stalls neither the steps nor the event loop.
 
 Every request runs with ``output_kind="delta"``: the core releases text only once no stop string
 can cut it, so each step's deltas go to the stream as they are.
@@ -24,7 +26,8 @@ import dataclasses
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -33,7 +36,7 @@ from ferryman.engine_setup import make_current
 from ferryman.outputs import RequestMetrics, RequestOutput
 from ferryman.sampling_params import SamplingParams
 from ferryman.server.metrics import Metrics
-from ferryman.server.updates import Delta, DrainingError, RequestFailedError, Update
+from ferryman.server.updates import Delta, DrainingError, RequestFailedError, RequestUpdates, Update
 from ferryman.trace import TraceWriter, step_record
 
 __all__ = ["AsyncEngine", "Delta", "DrainingError", "EngineDeadError", "RequestFailedError", "Update"]
@@ -49,27 +52,6 @@ class _Stream:
 
 
 _ACCEPTED = object()
-
-
-class _Updates:
-    """``add``'s iterator. Closing it aborts its request unless finished, even before the first
-    ``__anext__``: an async generator that never started skips its ``finally`` when closed (a
-    request submitted with others that were then refused would run to its end for no one)."""
-
-    def __init__(self, gen: AsyncGenerator[Update, None], abort: Callable[[], None]) -> None:
-        self._gen, self._abort, self._started = gen, abort, False
-
-    def __aiter__(self) -> _Updates:
-        return self
-
-    def __anext__(self) -> Awaitable[Update]:
-        self._started = True
-        return self._gen.__anext__()
-
-    async def aclose(self) -> None:
-        if not self._started:
-            self._abort()
-        await self._gen.aclose()
 
 
 class AsyncEngine:
@@ -100,6 +82,7 @@ class AsyncEngine:
         self._engine_waiting = 0
         self._t0 = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="ferryman-engine", daemon=True)
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="ferryman-tokenize")
 
     # -- event-loop side -------------------------------------------------------------------------
 
@@ -107,6 +90,7 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self) -> None:
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
         self._stop = True
         self._wake.set()
         if self._thread.is_alive():
@@ -118,6 +102,10 @@ class AsyncEngine:
         """Requests accepted but not yet scheduled (the overload check counts these)."""
         with self._lock:
             return self._pending_adds + self._engine_waiting
+
+    async def offload(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, fn)
 
     def overloaded(self) -> bool:
         return self.max_waiting is not None and self.num_waiting() >= self.max_waiting
@@ -131,15 +119,24 @@ class AsyncEngine:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
         if self.draining:
             raise DrainingError("the server is shutting down")
+        with self._lock:
+            self._pending_adds += 1  # counted as waiting from here (the overload check)
+        ids = None
+        try:
+            if isinstance(prompt, str) and self.engine.tokenizer is not None:
+                ids = (await self.offload(lambda: self.engine.tokenize(prompt)))[1]
+        except BaseException:
+            with self._lock:
+                self._pending_adds -= 1
+            raise
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[Any] = asyncio.Queue()
-        with self._lock:
-            self._pending_adds += 1
         self._put(
             (
                 "add",
                 request_id,
                 prompt,
+                ids,
                 replace(params, output_kind="delta"),
                 arrival_time or time.monotonic(),
                 _Stream(loop, q, [0] * params.n, [None] * params.n),
@@ -148,7 +145,7 @@ class AsyncEngine:
         first = await q.get()
         if isinstance(first, BaseException):
             raise first
-        return _Updates(self._updates(request_id, q), lambda: self.abort(request_id))
+        return RequestUpdates(self._updates(request_id, q), lambda: self.abort(request_id))
 
     def abort(self, request_id: str) -> None:
         self._put(("abort", request_id))
@@ -227,9 +224,9 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt, params, arrival, stream = cmd
+                _, rid, prompt, ids, params, arrival, stream = cmd
                 try:
-                    self.engine.add_request(rid, prompt, params, arrival_time=arrival)
+                    self.engine.add_request(rid, prompt, params, arrival, prompt_token_ids=ids)
                 except Exception as e:
                     stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)
                 else:

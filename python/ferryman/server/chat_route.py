@@ -34,6 +34,21 @@ def _reason(reason: str | None, calls: list[tool_calls.Call], choice: tools.Tool
     return "tool_calls" if calls and reason == "stop" and not forced else reason
 
 
+def open_final_message(prompt: str, final: str) -> str:
+    """The rendered conversation cut right after the last message's text, so the model continues
+    that message instead of closing it (what transformers' ``continue_final_message`` does)."""
+    for text in (final, final.strip()):
+        at = prompt.rfind(text) if text else -1
+        if at >= 0:
+            return prompt[: at + len(text)]
+    raise ApiError(
+        400,
+        "continue_final_message: the chat template does not render the last message's text",
+        "invalid_request_error",
+        "messages",
+    )
+
+
 def add_chat_route(
     app: FastAPI,
     tokenizer: Any,
@@ -62,11 +77,13 @@ def add_chat_route(
         try:
             prompt = str(
                 tokenizer.apply_chat_template(
-                    msgs, tools=tool_dicts, add_generation_prompt=True, tokenize=False
+                    msgs, tools=tool_dicts, add_generation_prompt=body.add_generation_prompt, tokenize=False
                 )
             )
         except Exception as e:  # the template itself rejects the conversation
             raise ApiError(400, f"chat template: {e}", "invalid_request_error", "messages") from None
+        if body.continue_final_message:
+            prompt = open_final_message(prompt, body.messages[-1].text())
         rid, streams = await submit("chatcmpl", [prompt], params)
         want_lp, top_n = params.logprobs is not None, params.logprobs or 0
         with_tools = bool(body.tools) and choice != "none"

@@ -42,6 +42,11 @@ def error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body.model_dump(), status_code=e.status)
 
 
+def _member(loc: Any) -> bool:
+    """A location part naming a union member (a model behind its validators), not a field."""
+    return isinstance(loc, str) and loc.startswith(("function-after[", "function-before[", "function-wrap["))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError) -> JSONResponse:
@@ -63,7 +68,11 @@ def install_error_handlers(app: FastAPI) -> None:
             return error_response(
                 ApiError(400, "the request body is not valid JSON", "invalid_request_error")
             )
-        fields = [".".join(str(x) for x in err.get("loc", ()) if x != "body") for err in errs]
+        # a union's member appears in the location as pydantic names it ("function-after[...]"):
+        # not a field the client wrote
+        fields = [
+            ".".join(str(x) for x in err.get("loc", ()) if x != "body" and not _member(x)) for err in errs
+        ]
         msg = "; ".join(f"{f or 'body'}: {err.get('msg')}" for f, err in zip(fields, errs, strict=True))
         param = fields[0] if fields and fields[0] else None
         return error_response(ApiError(400, msg or "invalid request", "invalid_request_error", param))

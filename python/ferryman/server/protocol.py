@@ -131,6 +131,7 @@ class _Sampling(StructuredFields):
     # OpenAI's: token ids (as JSON object keys) to a bias added to their logits
     logit_bias: LogitBias | None = None
     min_tokens: Annotated[int, Ge(0), Le(JSON_INT_MAX), JSON_INT] = 0
+    include_stop_str_in_output: bool = False  # vLLM's: a matched stop string stays in the text
 
     def _params(
         self,
@@ -141,6 +142,8 @@ class _Sampling(StructuredFields):
     ) -> SamplingParams:
         """The request's sampling; ``defaults`` (the model's generation_config.json, in
         ``SamplingParams`` names) fill the fields the request leaves unset, as vLLM's server does."""
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         unset = {k: v for k, v in (defaults or {}).items() if k not in self.model_fields_set}
         # the model's max_new_tokens caps a length the request left open (never raises one): the
@@ -175,6 +178,7 @@ class _Sampling(StructuredFields):
             min_tokens=self.min_tokens,
             prompt_logprobs=prompt_logprobs,
             structured_outputs=self.structured(),
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
 
 
@@ -189,7 +193,8 @@ class CompletionRequest(_Sampling):
     # vLLM's: the top N logprobs of every prompt position
     prompt_logprobs: TopLogprobs | None = None
     suffix: Unsupported = None
-    best_of: Unsupported = None
+    # of best_of sequences the n most likely are returned: only best_of == n (a no-op) is served
+    best_of: Annotated[int, Ge(1), Le(128), JSON_INT] | None = None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -202,6 +207,10 @@ class CompletionRequest(_Sampling):
     def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens must be >= 1 (0 only with echo)")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(
+                f"best_of is not supported (only best_of == n, here {self.n}), got {self.best_of}"
+            )
         plp = self.prompt_logprobs
         if self.echo and (self.logprobs is not None or self.max_tokens == 0):  # echo needs them
             plp = max(self.logprobs or 0, plp or 0)
@@ -239,6 +248,10 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
+    # vLLM's: the template's assistant header after the messages; or, instead, the last message
+    # (an assistant's) left open, so the answer continues it
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     # OpenAI fields that would change the answer and are not implemented: refused by name
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
@@ -258,6 +271,12 @@ class ChatCompletionRequest(_Sampling):
         return choose(self.tools, self.tool_choice)
 
     def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt: false")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be an assistant's")
         n = (self.top_logprobs or 0) if self.logprobs else None
         p = self._params(self.max_completion_tokens or self.max_tokens, n, None, defaults)
         so = constraint(self.tools or [], self.effective_tool_choice(), self.parallel_tool_calls is not False)
@@ -266,29 +285,3 @@ class ChatCompletionRequest(_Sampling):
                 raise ValueError("tool_choice and a structured output cannot both constrain a request")
             p.structured_outputs = so
         return p
-
-
-class TokenizeCompletionRequest(_Body):
-    """vLLM's ``/tokenize`` of a text prompt."""
-
-    model: str | None = None
-    prompt: str
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
-
-
-class TokenizeChatRequest(_Body):
-    """vLLM's ``/tokenize`` of chat messages, through the model's template."""
-
-    model: str | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
-
-
-TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
-
-
-class DetokenizeRequest(_Body):
-    model: str | None = None
-    tokens: list[TokenId]

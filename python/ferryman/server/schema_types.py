@@ -1,7 +1,9 @@
 """The constrained field types of the API's request bodies: JSON's integers (strict, ``2.0``
 allowed, bounded so a value the schema allows never overflows deeper down), token ids, the
 prompt's four shapes, logit biases, and ``Unsupported`` (an OpenAI field ferryman refuses by
-name), and ``Body``, the base of every request body (strict, unknown fields warned about)."""
+name), and ``Body``, the base of every request body (strict, unknown fields warned about, and
+``null`` for a field with a default taken as that field left out, as OpenAI's nullable fields and
+vLLM's ``Optional`` ones read)."""
 
 from __future__ import annotations
 
@@ -26,8 +28,35 @@ from pydantic_core import PydanticCustomError
 log = logging.getLogger("ferryman.server")
 
 
+def _nullable_defaults(schema: dict[str, Any], cls: type[BaseModel]) -> None:
+    """The published schema says what ``Body._null_is_unset`` accepts: every field with a
+    default other than null also takes null."""
+    props = schema.get("properties", {})
+    for name, f in cls.model_fields.items():
+        prop = props.get(f.alias or name)
+        if f.is_required() or f.default is None or prop is None:
+            continue
+        if "anyOf" in prop:
+            if not any(a.get("type") == "null" for a in prop["anyOf"]):
+                prop["anyOf"].append({"type": "null"})
+            continue
+        meta = {k: prop.pop(k) for k in ("default", "title", "description") if k in prop}
+        props[f.alias or name] = {"anyOf": [prop, {"type": "null"}], **meta}
+
+
 class Body(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_nullable_defaults)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """``null`` for a field with a default is that field left out: the default applies (and
+        the model's generation defaults, which fill the fields a request leaves unset)."""
+        if not isinstance(data, dict) or None not in data.values():
+            return data
+        fields = cls.model_fields
+        defaulted = {f.alias or k for k, f in fields.items() if not f.is_required() and f.default is not None}
+        return {k: v for k, v in data.items() if v is not None or k not in defaulted}
 
     @model_validator(mode="after")
     def _warn_unknown(self) -> Any:

@@ -1,16 +1,48 @@
 """vLLM's tokenizer endpoints: ``POST /tokenize`` (a text prompt, or chat messages through the
 model's template), ``POST /detokenize``, ``GET /tokenizer_info`` (lm-eval probes it). A model
-without a tokenizer answers 400."""
+without a tokenizer answers 400. Their request bodies are here, with the rest of the API's in
+``protocol.py``. Tokenizing runs on the engine's tokenizer thread (``offload``), so a long
+prompt does not stall the server; text that is not valid Unicode is a 400."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any
 
 from fastapi import FastAPI
+from pydantic import Field
 
 from ferryman.server import protocol as api
 from ferryman.server.errors import ERRORS, ApiError
+from ferryman.server.protocol import ChatMessage
+from ferryman.server.schema_types import Body, TokenId
+from ferryman.tokenizer import check_text
+
+
+class TokenizeCompletionRequest(Body):
+    """vLLM's ``/tokenize`` of a text prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(Body):
+    """vLLM's ``/tokenize`` of chat messages, through the model's template."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+
+
+class DetokenizeRequest(Body):
+    model: str | None = None
+    tokens: list[TokenId]
 
 
 def add_tokenizer_routes(
@@ -19,7 +51,10 @@ def add_tokenizer_routes(
     vocab_size: int,
     max_model_len: int,
     check_model: Callable[[str | None], None],
+    offload: Callable[[Callable[[], Any]], Awaitable[Any]],
 ) -> None:
+    """``offload(fn)``: ``fn()`` on the thread the engine tokenizes prompts on."""
+
     def need_tokenizer(model: str | None) -> Any:
         check_model(model)
         if tokenizer is None:
@@ -27,10 +62,10 @@ def add_tokenizer_routes(
         return tokenizer
 
     @app.post("/tokenize", responses=ERRORS)
-    async def tokenize(body: api.TokenizeRequest) -> api.TokenizeResponse:
+    async def tokenize(body: TokenizeRequest) -> api.TokenizeResponse:
         """vLLM's: the ids of a text prompt, or of chat messages through the model's template."""
         tok = need_tokenizer(body.model)
-        if isinstance(body, api.TokenizeChatRequest):
+        if isinstance(body, TokenizeChatRequest):
             if not getattr(tok, "chat_template", None):
                 raise ApiError(400, "this model has no chat template", "invalid_request_error", "messages")
             msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -39,14 +74,19 @@ def add_tokenizer_routes(
                     msgs, add_generation_prompt=body.add_generation_prompt, tokenize=False
                 )
             )
-            ids = list(tok.encode(text, add_special_tokens=False))
+            special = False
         else:
-            ids = list(tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+            text, special = body.prompt, body.add_special_tokens
+        try:
+            check_text(text)
+        except ValueError as e:
+            raise ApiError(400, str(e), "invalid_request_error") from None
+        ids = list(await offload(lambda: tok.encode(text, add_special_tokens=special)))
         strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return api.TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs)
 
     @app.post("/detokenize", responses=ERRORS)
-    async def detokenize(body: api.DetokenizeRequest) -> api.DetokenizeResponse:
+    async def detokenize(body: DetokenizeRequest) -> api.DetokenizeResponse:
         tok = need_tokenizer(body.model)
         vocab = vocab_size
         bad = next((t for t in body.tokens if t >= vocab), None)

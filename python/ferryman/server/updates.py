@@ -1,13 +1,14 @@
 """What the engine thread hands a request's stream: ``Update`` objects (each sequence's
-``Delta``), and the errors its iterator may end with."""
+``Delta``), the errors its iterator may end with, and that iterator (``RequestUpdates``)."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 
 from ferryman.engine import EngineDeadError
 
-__all__ = ["Delta", "DrainingError", "EngineDeadError", "RequestFailedError", "Update"]
+__all__ = ["Delta", "DrainingError", "EngineDeadError", "RequestFailedError", "RequestUpdates", "Update"]
 
 
 @dataclass(slots=True)
@@ -39,3 +40,24 @@ class RequestFailedError(RuntimeError):
 
 class DrainingError(RuntimeError):
     """The server is shutting down and accepts no new request."""
+
+
+class RequestUpdates:
+    """``AsyncEngine.add``'s iterator. Closing it aborts its request unless finished, even before the first
+    ``__anext__``: an async generator that never started skips its ``finally`` when closed (a
+    request submitted with others that were then refused would run to its end for no one)."""
+
+    def __init__(self, gen: AsyncGenerator[Update, None], abort: Callable[[], None]) -> None:
+        self._gen, self._abort, self._started = gen, abort, False
+
+    def __aiter__(self) -> RequestUpdates:
+        return self
+
+    def __anext__(self) -> Awaitable[Update]:
+        self._started = True
+        return self._gen.__anext__()
+
+    async def aclose(self) -> None:
+        if not self._started:
+            self._abort()
+        await self._gen.aclose()

@@ -107,6 +107,11 @@ def _override(obj: Any, overrides: dict[str, Any]) -> Any:
     bad = sorted(set(overrides) - known)
     if bad:
         raise ValueError(f"unknown field(s) {bad} for {type(obj).__name__}; known: {sorted(known)}")
+    # sizes and rates are positive (a zero one divides the cost model by zero)
+    sizes = {k: v for k, v in overrides.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    zero = next((k for k, v in sizes.items() if not v > 0), None)
+    if zero is not None:
+        raise ValueError(f"{type(obj).__name__}.{zero} must be > 0, got {overrides[zero]}")
     return replace(obj, **overrides)
 
 

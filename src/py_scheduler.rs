@@ -29,6 +29,26 @@ fn token_of(req_id: i64, t: i64) -> PyResult<u32> {
     }
 }
 
+/// Sampled ids given as anything but a contiguous int32 array: integers only (a float array is
+/// refused, not truncated), each within int32 (not wrapped).
+fn token_ids(ids: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
+    if let Ok(kind) = ids.getattr("dtype").and_then(|d| d.getattr("kind")) {
+        let kind: String = kind.extract()?;
+        if kind != "i" && kind != "u" {
+            return Err(InvalidRequestError::new_err(format!(
+                "sampled token ids must be integers, got dtype kind {kind:?}"
+            )));
+        }
+    }
+    let wide = ids.extract::<PyArrayLike1<'_, i64, AllowTypeChange>>()?;
+    let wide = wide.as_array();
+    wide.iter()
+        .map(|&t| {
+            i32::try_from(t).map_err(|_| InvalidRequestError::new_err(format!("sampled token id {t} out of range")))
+        })
+        .collect()
+}
+
 #[pymethods]
 impl PyScheduler {
     #[new]
@@ -69,7 +89,7 @@ impl PyScheduler {
         let contiguous = sampled_token_ids.cast::<PyArray1<i32>>().ok().and_then(|a| a.to_vec().ok());
         let tokens = match contiguous {
             Some(tokens) => tokens,
-            None => sampled_token_ids.extract::<PyArrayLike1<'_, i32, AllowTypeChange>>()?.as_array().to_vec(),
+            None => token_ids(sampled_token_ids)?,
         };
         Ok(PyStepOutputs::new(self.inner.update(&tokens).map_err(to_pyerr)?))
     }

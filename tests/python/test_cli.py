@@ -228,6 +228,8 @@ def test_bad_files_and_values_are_said_without_a_traceback(
         assert main(["plot", str(trace), "-o", str(tmp_path / "x.png")]) == 2
         assert said in capsys.readouterr().err
     sim = ["sim", "--num-requests", "5", "--model-shape", "smollm2-135m"]
+    assert main([*sim, "--output-len", "fixed:0"]) == 2
+    assert "lengths are >= 1" in capsys.readouterr().err
     assert main([*sim, "--shape-set", "num_layers=0"]) == 2
     assert "num_layers must be > 0" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:

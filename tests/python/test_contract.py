@@ -195,6 +195,12 @@ def test_duplicate_ids_and_protocol_misuse() -> None:
         s.schedule()
     with pytest.raises(InvalidRequestError, match="expected 1 sampled token ids"):
         s.update(np.zeros(3, dtype=np.int32))
+    with pytest.raises(InvalidRequestError, match="must be integers"):
+        s.update(np.array([7.9]))  # refused, not truncated
+    with pytest.raises(InvalidRequestError, match="2147483653 out of range"):
+        s.update(np.array([2**31 + 5], np.int64))  # refused, not wrapped
+    with pytest.raises(InvalidRequestError, match="num_device_blocks must be >= 0, got -1"):
+        SchedulerConfig(num_device_blocks=-1)
     s.update(np.zeros(len(out.logits_indices), dtype=np.int32))  # the step is still pending
     assert s.abort_request(1) and not s.abort_request(1)
     assert ferryman.__version__

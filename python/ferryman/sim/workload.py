@@ -31,6 +31,10 @@ class Workload:
 def lengths(spec: str, n: int, rng: np.random.Generator) -> np.ndarray:
     kind, _, rest = spec.partition(":")
     args = [float(x) for x in rest.split(":")] if rest else []
+    valid = {"fixed": lambda: args[0] >= 1, "uniform": lambda: 1 <= args[0] <= args[1]}
+    valid["lognormal"] = lambda: args[0] > 0 and args[1] >= 0
+    if kind in valid and len(args) == (1 if kind == "fixed" else 2) and not valid[kind]():
+        raise ValueError(f"length distribution {spec!r}: lengths are >= 1 (uniform: LO <= HI)")
     if kind == "fixed" and len(args) == 1:
         out = np.full(n, args[0])
     elif kind == "uniform" and len(args) == 2:

@@ -132,14 +132,13 @@ def build_parts(args: EngineArgs) -> EngineParts:
         )
     kv = runner.kv
     num_device_blocks = kv.num_device_blocks  # over ranks that profiled, the count they agreed on
-    if args.max_model_len is None and num_device_blocks * block_size < max_model_len:
+    pool_tokens = num_device_blocks * block_size
+    if args.max_model_len is None and pool_tokens < max_model_len:
         # a request of the model's whole context could never fit: the context is what the pool holds
         # (an open max_tokens then fills the pool, instead of asking for more than it has)
-        log.warning(
-            "the KV pool holds %d tokens, fewer than the model's context of %d: max_model_len is %d",
-            num_device_blocks * block_size, max_model_len, num_device_blocks * block_size,
-        )  # fmt: skip
-        max_model_len = num_device_blocks * block_size
+        log.warning("the KV pool holds %d tokens, fewer than the model's context of %d: max_model_len is %d",
+                    pool_tokens, max_model_len, pool_tokens)  # fmt: skip
+        max_model_len = pool_tokens
     calibration: dict[str, float] = {}
     started = time.perf_counter()
     if args.calibrate:  # with tensor parallelism the prefill runs on every rank (through the runner)

@@ -189,9 +189,9 @@ class SamplingParams:
         bad = next((t for t in self.logit_bias or () if t >= vocab_size), None)
         if bad is not None:
             raise InvalidRequestError(f"logit_bias: token id {bad} out of range [0, {vocab_size})")
+        most = min(max_logprobs, vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            most = min(max_logprobs, vocab_size)
             if v is not None and v > most:
                 raise InvalidRequestError(f"{name} must be at most {most} (max_logprobs), got {v}")
 

@@ -96,15 +96,10 @@ class ChatTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The ids of ``text``; ``add_special_tokens`` applies the tokenizer's post-processor (a
-        BOS or EOS where its file asks for one). Text that is not valid Unicode (a lone
-        surrogate) is a ``ValueError``. Runs without the GIL (``encode_batch`` releases it, a single
-        ``encode`` does not), so a long prompt tokenized on one thread does not stall the others."""
-        try:
-            enc = self.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
-        except TypeError:
-            check_text(text)
-            raise
-        return list(enc[0].ids)
+        BOS or EOS where its file asks for one). Runs without the GIL (``encode_batch`` releases it,
+        a single ``encode`` does not), so a long prompt tokenized on one thread does not stall the
+        others. Callers with text from outside check it first (``check_text``)."""
+        return list(self.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def decode(self, ids: int | Iterable[int], skip_special_tokens: bool = False) -> str:
         seq = [ids] if isinstance(ids, int) else [int(i) for i in ids]
@@ -164,14 +159,15 @@ class ChatTokenizer:
 
 
 def check_text(text: Any, what: str = "prompt") -> None:
-    """``ValueError`` unless ``text`` is a string of valid Unicode (JSON can carry a lone
-    surrogate, ``"\\ud800"``, which no encoding represents)."""
+    """``InvalidRequestError`` (a ``ValueError``) unless ``text`` is a string of valid Unicode (JSON
+    can carry a lone surrogate, ``"\\ud800"``, which no encoding represents)."""
     if not isinstance(text, str):
-        raise ValueError(f"{what} must be a string, got {type(text).__name__}")
+        raise InvalidRequestError(f"{what} must be a string, got {type(text).__name__}")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"{what} is not valid Unicode text: {e.reason} at character {e.start}") from None
+        msg = f"{what} is not valid Unicode text: {e.reason} at character {e.start}"
+        raise InvalidRequestError(msg) from None
 
 
 def prompt_ids(tokenizer: Any, vocab_size: int, prompt: str | Iterable[int]) -> tuple[str | None, list[int]]:
@@ -181,10 +177,7 @@ def prompt_ids(tokenizer: Any, vocab_size: int, prompt: str | Iterable[int]) -> 
     if isinstance(prompt, str):
         if tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: pass prompts as token-id lists")
-        try:
-            check_text(prompt)
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from None
+        check_text(prompt)
         return prompt, list(tokenizer.encode(prompt, add_special_tokens=False))
     ids = [int(t) for t in prompt]
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)

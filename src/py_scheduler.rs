@@ -3,7 +3,7 @@
 use ferryman_core::{FinishReason, Scheduler, Tokenizer};
 use numpy::{AllowTypeChange, PyArray1, PyArrayLike1, PyArrayMethods, ToPyArray};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyInt};
 
 use crate::py_config::PySchedulerConfig;
 use crate::py_errors::{to_pyerr, InvalidRequestError};
@@ -17,11 +17,24 @@ pub struct PyScheduler {
     inner: Scheduler,
 }
 
-fn req_id_of(req_id: i64) -> PyResult<u64> {
-    u64::try_from(req_id).map_err(|_| InvalidRequestError::new_err(format!("req_id must be >= 0, got {req_id}")))
+/// A request id: an integer in [0, 2**63). Any other integer (negative, or one pyo3's conversion
+/// would call an overflow) is `InvalidRequestError`; a non-integer stays a `TypeError`, as
+/// Python's own calls say.
+fn req_id_of(req_id: &Bound<'_, PyAny>) -> PyResult<u64> {
+    match req_id.extract::<u64>() {
+        Ok(id) if id <= i64::MAX as u64 => Ok(id),
+        Err(e) if !req_id.is_instance_of::<PyInt>() => Err(e),
+        _ => Err(InvalidRequestError::new_err(format!("req_id must be an integer in [0, 2**63), got {req_id}"))),
+    }
 }
 
-fn token_of(req_id: i64, t: i64) -> PyResult<u32> {
+fn seq_index_of(seq_index: i64) -> PyResult<u32> {
+    u32::try_from(seq_index).map_err(|_| {
+        InvalidRequestError::new_err(format!("seq_index must be an integer in [0, 2**32), got {seq_index}"))
+    })
+}
+
+fn token_of(req_id: u64, t: i64) -> PyResult<u32> {
     if (0..=i32::MAX as i64).contains(&t) {
         Ok(t as u32)
     } else {
@@ -29,21 +42,24 @@ fn token_of(req_id: i64, t: i64) -> PyResult<u32> {
     }
 }
 
-/// Sampled ids given as anything but a contiguous int32 array: integers only (a float array is
-/// refused, not truncated), each within int32 (not wrapped).
+/// Sampled ids given as anything but a contiguous int32 array: integers only (a float array or
+/// a float in a list is refused, not truncated), each within int32 (not wrapped).
 fn token_ids(ids: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
-    if let Ok(kind) = ids.getattr("dtype").and_then(|d| d.getattr("kind")) {
-        let kind: String = kind.extract()?;
-        if kind != "i" && kind != "u" {
-            return Err(InvalidRequestError::new_err(format!(
-                "sampled token ids must be integers, got dtype kind {kind:?}"
-            )));
+    let wide: Vec<i64> = match ids.getattr("dtype").and_then(|d| d.getattr("kind")) {
+        Ok(kind) => {
+            let kind: String = kind.extract()?;
+            if kind != "i" && kind != "u" {
+                return Err(InvalidRequestError::new_err(format!(
+                    "sampled token ids must be integers, got dtype kind {kind:?}"
+                )));
+            }
+            ids.extract::<PyArrayLike1<'_, i64, AllowTypeChange>>()?.as_array().to_vec()
         }
-    }
-    let wide = ids.extract::<PyArrayLike1<'_, i64, AllowTypeChange>>()?;
-    let wide = wide.as_array();
-    wide.iter()
-        .map(|&t| {
+        // a sequence: each item must itself be an integer (pyo3 refuses a float with TypeError)
+        Err(_) => ids.extract()?,
+    };
+    wide.into_iter()
+        .map(|t| {
             i32::try_from(t).map_err(|_| InvalidRequestError::new_err(format!("sampled token id {t} out of range")))
         })
         .collect()
@@ -69,9 +85,14 @@ impl PyScheduler {
     }
 
     /// Queues a request: its prompt and its parameters (`RequestParams`, validated when built).
-    fn add_request(&mut self, req_id: i64, prompt_token_ids: Vec<i64>, params: &PyRequestParams) -> PyResult<()> {
+    fn add_request(
+        &mut self,
+        req_id: &Bound<'_, PyAny>,
+        prompt_token_ids: Vec<i64>,
+        params: &PyRequestParams,
+    ) -> PyResult<()> {
         let id = req_id_of(req_id)?;
-        let prompt = prompt_token_ids.into_iter().map(|t| token_of(req_id, t)).collect::<PyResult<Vec<_>>>()?;
+        let prompt = prompt_token_ids.into_iter().map(|t| token_of(id, t)).collect::<PyResult<Vec<_>>>()?;
         self.inner.add_request(id, prompt, params.inner.clone()).map_err(to_pyerr)
     }
 
@@ -95,13 +116,14 @@ impl PyScheduler {
     }
 
     /// Aborts a request (all its sequences); False if it is not live.
-    fn abort_request(&mut self, req_id: i64) -> PyResult<bool> {
+    fn abort_request(&mut self, req_id: &Bound<'_, PyAny>) -> PyResult<bool> {
         Ok(self.inner.abort_request(req_id_of(req_id)?))
     }
 
     /// Finishes a live request (or one fork) for a reason found outside the core.
     #[pyo3(signature = (req_id, reason, seq_index=None))]
-    fn finish_request(&mut self, req_id: i64, reason: &str, seq_index: Option<u32>) -> PyResult<()> {
+    fn finish_request(&mut self, req_id: &Bound<'_, PyAny>, reason: &str, seq_index: Option<i64>) -> PyResult<()> {
+        let seq_index = seq_index.map(seq_index_of).transpose()?;
         let reason = match reason {
             "stop" => FinishReason::Stop,
             "length" => FinishReason::Length,
@@ -200,15 +222,15 @@ impl PyScheduler {
     fn output_token_ids<'py>(
         &self,
         py: Python<'py>,
-        req_id: i64,
-        seq_index: u32,
+        req_id: &Bound<'py, PyAny>,
+        seq_index: i64,
     ) -> PyResult<Option<Bound<'py, PyArray1<i32>>>> {
-        Ok(self.inner.output_token_ids(req_id_of(req_id)?, seq_index).map(|t| t.to_pyarray(py)))
+        Ok(self.inner.output_token_ids(req_id_of(req_id)?, seq_index_of(seq_index)?).map(|t| t.to_pyarray(py)))
     }
 
     /// The device block table of a live sequence, or None (debugging and tests).
     #[pyo3(signature = (req_id, seq_index=0))]
-    fn block_table(&self, req_id: i64, seq_index: u32) -> PyResult<Option<Vec<u32>>> {
-        Ok(self.inner.block_table(req_id_of(req_id)?, seq_index))
+    fn block_table(&self, req_id: &Bound<'_, PyAny>, seq_index: i64) -> PyResult<Option<Vec<u32>>> {
+        Ok(self.inner.block_table(req_id_of(req_id)?, seq_index_of(seq_index)?))
     }
 }

@@ -111,6 +111,8 @@ class Engine(FaultsMixin, OfflineMixin):
         prompt's ids as ``tokenize`` gave them (the server tokenizes off the engine's thread)."""
         params = params or SamplingParams()
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        if not isinstance(request_id, str):
+            raise InvalidRequestError(f"request_id must be a string, got {type(request_id).__name__}")
         if request_id in self._core_ids:
             raise InvalidRequestError(f"request {request_id!r} already exists")
         if params.stop and self.tokenizer is None:

@@ -143,6 +143,10 @@ impl RequestParams {
         if self.text.as_ref().is_some_and(|t| t.stop.iter().any(String::is_empty)) {
             return Err("a stop string is empty".into());
         }
+        if let Some(g) = self.grammar.as_ref().filter(|g| !crate::grammar::GRAMMAR_KINDS.contains(&g.kind.as_str())) {
+            let kinds = crate::grammar::GRAMMAR_KINDS;
+            return Err(format!("unknown structured output kind {:?}; expected one of {kinds:?}", g.kind));
+        }
         Ok(())
     }
 }

@@ -228,6 +228,13 @@ def test_bad_files_and_values_are_said_without_a_traceback(
         assert main(["plot", str(trace), "-o", str(tmp_path / "x.png")]) == 2
         assert said in capsys.readouterr().err
     sim = ["sim", "--num-requests", "5", "--model-shape", "smollm2-135m"]
+    trace = tmp_path / "refused.jsonl"
+    assert main([*sim, "--gpu-memory-utilization", "1e-9", "--trace", str(trace)]) == 2
+    assert "leaves no KV memory" in capsys.readouterr().err and not trace.exists()  # no empty trace left
+    for argv, said in ((["--bogus"], "unrecognized arguments: --bogus"), ([], "a command is required")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and said in capsys.readouterr().err
     assert main([*sim, "--output-len", "fixed:0"]) == 2
     assert "lengths are >= 1" in capsys.readouterr().err
     assert main([*sim, "--shape-set", "num_layers=0"]) == 2

@@ -172,6 +172,7 @@ def test_request_params_are_one_record_validated_once() -> None:
         ({"max_tokens": 4, "n": 0}, "n must be >= 1, got 0"),
         ({"max_tokens": 4, "stop_token_ids": [2**31]}, "stop_token_ids: token id"),
         ({"max_tokens": 4, "detokenize": True, "stop": [""]}, "empty"),
+        ({"max_tokens": 4, "grammar_kind": "bogus"}, 'unknown structured output kind "bogus"'),
     ]:
         with pytest.raises(InvalidRequestError, match=needle):
             RequestParams(**kwargs)  # type: ignore[arg-type]
@@ -199,6 +200,17 @@ def test_duplicate_ids_and_protocol_misuse() -> None:
         s.update(np.array([7.9]))  # refused, not truncated
     with pytest.raises(InvalidRequestError, match="2147483653 out of range"):
         s.update(np.array([2**31 + 5], np.int64))  # refused, not wrapped
+    with pytest.raises(TypeError, match="'float' object cannot be interpreted"):
+        s.update([0.5])  # a list's floats too
+    for bad in (2**70, 2**63, -1):  # out of range: refused by name, not an OverflowError
+        with pytest.raises(InvalidRequestError, match=r"req_id must be an integer in \[0, 2\*\*63\)"):
+            s.add_request(bad, [4], RequestParams(2))
+        with pytest.raises(InvalidRequestError, match="req_id must be"):
+            s.abort_request(bad)
+    with pytest.raises(InvalidRequestError, match="seq_index must be an integer"):
+        s.output_token_ids(1, -1)
+    with pytest.raises(TypeError):
+        s.add_request("1", [4], RequestParams(2))
     with pytest.raises(InvalidRequestError, match="num_device_blocks must be >= 0, got -1"):
         SchedulerConfig(num_device_blocks=-1)
     s.update(np.zeros(len(out.logits_indices), dtype=np.int32))  # the step is still pending

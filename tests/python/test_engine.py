@@ -175,6 +175,8 @@ def test_a_refused_request_or_call_leaves_nothing_queued(models: dict[str, Path]
     for name in ("logprobs", "prompt_logprobs"):  # past max_logprobs (20): refused, not a failed step
         with pytest.raises(InvalidRequestError, match=f"{name} must be at most 20"):
             eng.add_request(name, [3, 4], SamplingParams(max_tokens=2, **{name: 21}))  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="request_id must be a string, got int"):
+        eng.add_request(7, [3, 4], GREEDY)  # type: ignore[arg-type]
     # a generate() whose later prompt is refused queues none of its prompts
     with pytest.raises(InvalidRequestError, match="out of range"):
         eng.generate([PROMPTS[0], [-1]], GREEDY)

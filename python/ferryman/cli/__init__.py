@@ -14,14 +14,19 @@ from ferryman.cli import bench, generate, plot, serve, sim
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ferryman", description="ferryman LLM serving engine")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
     for command in (serve, generate, bench, sim, plot):
         command.register(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    p = build_parser()
+    a, extra = p.parse_known_args(argv)
+    if extra:  # said before a missing command, so `ferryman --bogus` names --bogus
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
+    if a.cmd is None:
+        p.error("a command is required: serve, generate, chat, bench, sim or plot")
     try:
         status: int = a.run(a)
     except ValueError as e:  # bad input (sampling values, a grammar, a model path): said, not a traceback

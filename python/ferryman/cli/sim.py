@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any
 
 from ferryman.engine_args import add_cli_args, from_cli
@@ -112,8 +113,13 @@ def run(a: argparse.Namespace) -> int:
     trace = TraceWriter(a.trace) if a.trace else None
     try:
         report = simulate(g, shape, work, cfg, trace)
-    finally:
-        if trace is not None:
+    except BaseException:
+        if trace is not None:  # a run refused before its first step leaves no empty trace behind
             trace.close()
+            if os.path.getsize(a.trace) == 0:
+                os.unlink(a.trace)
+        raise
+    if trace is not None:
+        trace.close()
     print_report(report, a.json)
     return 0

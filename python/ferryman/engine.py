@@ -117,11 +117,8 @@ class Engine(FaultsMixin, OfflineMixin):
             raise InvalidRequestError(f"request {request_id!r} already exists")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer, and this model has none")
-        text: str | None
-        if prompt_token_ids is not None and isinstance(prompt, str):
-            text, ids = prompt, prompt_token_ids
-        else:
-            text, ids = self.tokenize(prompt)
+        text, ids = self.tokenize(prompt, prompt_token_ids)
+        ids = params.truncated(ids, self.max_model_len)
         params.check_model(self.model.cfg.vocab_size, self.args.max_logprobs)
         room = min(
             max(1, self.max_model_len - len(ids)), self.generation_defaults.get("max_tokens") or 1 << 62
@@ -293,7 +290,9 @@ class Engine(FaultsMixin, OfflineMixin):
             ]
         return StepResult(outputs + failed, StepStats.of(out, res.num_generated), events)
 
-    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: Prompt, ids: list[int] | None = None) -> tuple[str | None, list[int]]:
         """A prompt's text (None for token ids) and ids, as ``add_request`` takes them
-        (``prompt_ids``); safe to call from another thread."""
+        (``prompt_ids``; ``ids``: a text's ids tokenized before); safe to call from another thread."""
+        if isinstance(prompt, str) and ids is not None:
+            return prompt, ids
         return prompt_ids(self.tokenizer, self.model.cfg.vocab_size, prompt)

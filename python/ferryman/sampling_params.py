@@ -15,7 +15,13 @@ OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 # integer fields, and what the core and the sampling table store them in (int32 or int64)
 _I32, _I64 = (-(2**31), 2**31), (-(2**63), 2**63)
 _INTS = {"n": _I32, "top_k": _I64, "priority": _I32, "min_tokens": _I64}
-_OPTIONAL_INTS = {"seed": _I64, "max_tokens": _I64, "logprobs": _I32, "prompt_logprobs": _I32}
+_OPTIONAL_INTS = {
+    "seed": _I64,
+    "max_tokens": _I64,
+    "logprobs": _I32,
+    "prompt_logprobs": _I32,
+    "truncate_prompt_tokens": _I64,
+}
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -140,6 +146,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # a matched stop string stays at the end of the text (vLLM's); by default the text ends before it
     include_stop_str_in_output: bool = False
+    # vLLM's: only the last k prompt tokens are kept (-1: the last max_model_len)
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -164,6 +172,9 @@ class SamplingParams:
             raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        k = self.truncate_prompt_tokens
+        if k is not None and k < 1 and k != -1:
+            raise ValueError(f"truncate_prompt_tokens must be >= 1 or -1 (max_model_len), got {k}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -194,6 +205,13 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and v > most:
                 raise InvalidRequestError(f"{name} must be at most {most} (max_logprobs), got {v}")
+
+    def truncated(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as ``truncate_prompt_tokens`` keeps it: its last k tokens."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return prompt_token_ids
+        return prompt_token_ids[-(max_model_len if k == -1 else k) :]
 
     @property
     def penalized(self) -> bool:

@@ -263,6 +263,25 @@ BAD_REQUESTS: list[tuple[str, Any, int, str]] = [
         "response_format",
     ),
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "store": True}, 400, "store"),
+    # vLLM's fields not implemented are refused by name too
+    (CMPL, {"prompt": "x", "allowed_token_ids": [1, 2]}, 400, "allowed_token_ids is not supported"),
+    (CMPL, {"prompt": "x", "bad_words": ["x"]}, 400, "bad_words is not supported"),
+    (CMPL, {"prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
+    (CMPL, {"prompt": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "echo": True}, 400, "echo"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "best_of": 3}, 400, "best_of is not supported"),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1},
+        400,
+        "prompt_logprobs is",
+    ),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ x }}"},
+        400,
+        "chat_template is",
+    ),
     # JSON can carry a lone surrogate, which is no text (json.dumps escapes it: "\\ud800")
     (CHAT, json.dumps({"messages": [{"role": "user", "content": "a\ud800"}]}), 400, "not valid Unicode"),
     (CMPL, json.dumps({"prompt": ["ok", "\udfff"]}), 400, "nicode"),
@@ -576,3 +595,36 @@ def test_vllm_and_openai_request_fields(server: Server, offline: Engine) -> None
         assert r.status_code == 200, r.text
         usage[cont] = r.json()["usage"]["prompt_tokens"]
     assert usage[True] < usage[False]
+    # /tokenize of messages counts what the chat endpoint sends, continue_final_message included
+    body = {"messages": msgs, "add_generation_prompt": False, "continue_final_message": True}
+    assert httpx.post(server.url + "/tokenize", json=body).json()["count"] == usage[True]
+    # vLLM's truncate_prompt_tokens keeps the prompt's last k tokens; return_tokens_as_token_ids
+    ids = offline.tokenizer.encode("Hello there, how are you", add_special_tokens=False)
+    r = httpx.post(server.url + CMPL, json={**base, "prompt": ids, "truncate_prompt_tokens": 3}).json()
+    assert r["usage"]["prompt_tokens"] == 3
+    assert r["choices"][0]["text"] == text(prompt=ids[-3:])
+    lp = {**base, "max_tokens": 3, "logprobs": 1, "return_tokens_as_token_ids": True}
+    r = httpx.post(server.url + CMPL, json=lp).json()["choices"][0]["logprobs"]
+    assert r["tokens"] == [f"token_id:{t}" for t in out.token_ids[:3]]
+    assert all(k.startswith("token_id:") for d in r["top_logprobs"] for k in d)
+    # the server's own request id is not in a refusal's message
+    r = httpx.post(server.url + CMPL, json={"prompt": [1, 2, 10**6]})
+    assert r.status_code == 400 and "cmpl-" not in r.json()["error"]["message"], r.text
+
+
+def test_chat_template_kwargs_reach_the_template_and_cannot_replace_its_arguments() -> None:
+    from ferryman.chat_template import render
+    from ferryman.server.chat_prompt import ChatPrompt
+
+    class Tok:  # a tokenizer's chat-template side: a template text, rendered by ferryman's jinja2
+        chat_template = "{% if think %}<think>{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+
+        def apply_chat_template(
+            self, msgs: Any, tools: Any, add_generation_prompt: bool, tokenize: bool, **kw: Any
+        ) -> str:
+            return render(self.chat_template, msgs, tools, add_generation_prompt, **kw)
+
+    msgs = [{"role": "user", "content": "hi"}]
+    assert ChatPrompt.model_validate({"messages": msgs}).render(Tok()) == "hi"
+    body = {"messages": msgs, "chat_template_kwargs": {"think": True, "messages": [], "tokenize": True}}
+    assert ChatPrompt.model_validate(body).render(Tok()) == "<think>hi"

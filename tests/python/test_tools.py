@@ -195,6 +195,11 @@ def test_streamed_calls_come_as_deltas(server: Server) -> None:
     calls = [c for d in deltas for c in d.get("tool_calls") or []]
     assert [c["function"] for c in calls] == [whole["function"]]
     assert not any(d.get("content") for d in deltas)
+    # text held back while it may be a call sends no empty chunks; one creation time per stream
+    for e in events:
+        said = [c for c in e["choices"] if c["finish_reason"] or any(c["delta"].values())]
+        assert said == e["choices"], e
+    assert len({e["created"] for e in events}) == 1
 
 
 def test_auto_none_history_and_errors(server: Server) -> None:
@@ -209,6 +214,11 @@ def test_auto_none_history_and_errors(server: Server) -> None:
     ]  # fmt: skip
     r = chat(server, messages=history, tool_choice="none", temperature=0.0)
     assert r.status_code == 200 and r.json()["choices"][0]["message"].get("tool_calls") is None
+    # /tokenize renders the prompt the chat endpoint sends: tools, calls and results included
+    for kw in ({}, {"messages": history}, {"messages": history, "tool_choice": "none"}):
+        body = {"messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": TOOLS, **kw}
+        count = httpx.post(server.url + "/tokenize", json=body).json()["count"]
+        assert count == chat(server, **kw, max_tokens=1).json()["usage"]["prompt_tokens"], kw
     for bad, needle in [
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools"),
         ({"tools": None, "tool_choice": "required"}, "needs tools"),

@@ -95,7 +95,9 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
             raise ApiError(503, str(e), "server_error", code="shutting_down") from None
         except ValueError as e:  # InvalidRequestError and bad sampling values
             await handling.close(streams)
-            raise ApiError(400, str(e), "invalid_request_error") from None
+            # the engine names its request id, an internal one here: the client's is the response's
+            said = str(e).removeprefix(f"request {f'{rid}-{len(streams)}'!r}: ")
+            raise ApiError(400, said, "invalid_request_error") from None
         return rid, streams
 
     @app.get("/health", responses={503: {"description": "Draining, or the engine stopped"}})
@@ -130,7 +132,8 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
         if not prompts:
             raise ApiError(400, "prompt must not be empty", "invalid_request_error", "prompt")
         rid, streams = await submit("cmpl", prompts, params)
-        n = params.n
+        n, created = params.n, int(time.time())  # one creation time for every chunk of a stream
+        name = responses.token_namer(token_str, body.return_tokens_as_token_ids)
 
         def echo_head(i: int) -> str:
             p = prompts[i]
@@ -148,7 +151,7 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
                 return text, lp, plp
             head = echo_head(i)
             if lp is not None and pdata is not None:
-                full = responses.echo_logprobs(*pdata, token_str)
+                full = responses.echo_logprobs(*pdata, name)
                 lp = api.CompletionLogprobs(
                     tokens=full.tokens + lp.tokens,
                     token_logprobs=full.token_logprobs + lp.token_logprobs,
@@ -166,7 +169,7 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
             def choice(i: int, d: Delta, u: Update) -> api.CompletionChoice:
                 c = i * n + d.index
                 first, start = c not in offsets, offsets.get(c, 0)
-                lp = responses.completion_logprobs(d.token_ids, d.logprobs, token_str, start)
+                lp = responses.completion_logprobs(d.token_ids, d.logprobs, name, start)
                 offsets[c] = start + (sum(len(t) for t in lp.tokens) if lp is not None else 0)
                 text, plp = d.text, None
                 if first:  # the echoed prompt goes out with the choice's first chunk
@@ -180,7 +183,9 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
                 )
 
             def chunk(choices: list[Any], usage: api.Usage | None) -> api.CompletionResponse:
-                return api.CompletionResponse(id=rid, model=served_model_name, choices=choices, usage=usage)
+                return api.CompletionResponse(
+                    id=rid, created=created, model=served_model_name, choices=choices, usage=usage
+                )
 
             events = responses.sse_events(streams, choice, chunk, include_usage, continuous)
             return StreamingResponse(events, media_type="text/event-stream")
@@ -190,7 +195,7 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
             choices = []
             for c in range(len(prompts) * n):
                 lp = responses.completion_logprobs(
-                    acc.toks.get(c, []), acc.lps.get(c) if params.logprobs is not None else None, token_str, 0
+                    acc.toks.get(c, []), acc.lps.get(c) if params.logprobs is not None else None, name, 0
                 )
                 text, lp, plp = with_prompt(c // n, "".join(acc.text.get(c, [])), lp, acc.prompts.get(c // n))
                 choices.append(
@@ -198,7 +203,9 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
                         index=c, text=text, logprobs=lp, finish_reason=acc.reasons.get(c), prompt_logprobs=plp
                     )
                 )
-            return api.CompletionResponse(id=rid, model=served_model_name, choices=choices, usage=acc.usage())
+            return api.CompletionResponse(
+                id=rid, created=created, model=served_model_name, choices=choices, usage=acc.usage()
+            )
 
         return await handling.run_collect(request, collect(), streams)
 

@@ -6,6 +6,7 @@ content goes out as it comes and each call as one delta once the sequence ends."
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -16,7 +17,7 @@ from ferryman.sampling_params import SamplingParams
 from ferryman.server import handling, responses, tool_calls, tools
 from ferryman.server import protocol as api
 from ferryman.server.async_engine import Delta, Update
-from ferryman.server.errors import ApiError, generation
+from ferryman.server.errors import generation
 
 Submit = Callable[
     [str, list[str | list[int]], SamplingParams], Awaitable[tuple[str, list[AsyncIterator[Update]]]]
@@ -34,21 +35,6 @@ def _reason(reason: str | None, calls: list[tool_calls.Call], choice: tools.Tool
     return "tool_calls" if calls and reason == "stop" and not forced else reason
 
 
-def open_final_message(prompt: str, final: str) -> str:
-    """The rendered conversation cut right after the last message's text, so the model continues
-    that message instead of closing it (what transformers' ``continue_final_message`` does)."""
-    for text in (final, final.strip()):
-        at = prompt.rfind(text) if text else -1
-        if at >= 0:
-            return prompt[: at + len(text)]
-    raise ApiError(
-        400,
-        "continue_final_message: the chat template does not render the last message's text",
-        "invalid_request_error",
-        "messages",
-    )
-
-
 def add_chat_route(
     app: FastAPI,
     tokenizer: Any,
@@ -60,7 +46,7 @@ def add_chat_route(
 ) -> None:
     """``defaults``: the model's sampling defaults (generation_config.json)."""
     template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
-    parser = tools.pick_parser(template if isinstance(template, str) else None)
+    parser = tools.pick_parser(template if isinstance(template, str) else None)  # of calls in the text
 
     @app.post("/v1/chat/completions", response_model=None, responses=generation(api.ChatCompletionResponse))
     async def chat(
@@ -69,22 +55,10 @@ def add_chat_route(
         check(body.model)
         params = handling.params(lambda: body.sampling_params(defaults))
         choice = body.effective_tool_choice()
-        if tokenizer is None or not template:
-            raise ApiError(400, "this model has no chat template", "invalid_request_error", "messages")
-        msgs, tool_dicts = tools.render_messages(
-            [m.for_template() for m in body.messages], body.tools, choice, str(template)
-        )
-        try:
-            prompt = str(
-                tokenizer.apply_chat_template(
-                    msgs, tools=tool_dicts, add_generation_prompt=body.add_generation_prompt, tokenize=False
-                )
-            )
-        except Exception as e:  # the template itself rejects the conversation
-            raise ApiError(400, f"chat template: {e}", "invalid_request_error", "messages") from None
-        if body.continue_final_message:
-            prompt = open_final_message(prompt, body.messages[-1].text())
+        prompt = body.render(tokenizer)
         rid, streams = await submit("chatcmpl", [prompt], params)
+        created = int(time.time())  # one creation time for every chunk of a stream
+        name = responses.token_namer(token_str, body.return_tokens_as_token_ids)
         want_lp, top_n = params.logprobs is not None, params.logprobs or 0
         with_tools = bool(body.tools) and choice != "none"
         one_call = body.parallel_tool_calls is False  # at most one call, whatever the model wrote
@@ -94,10 +68,10 @@ def add_chat_route(
             started: set[int] = set()
             split = {k: tool_calls.Streamer(choice, parser) for k in range(params.n)} if with_tools else {}
 
-            def chunk_choice(_: int, d: Delta, __: Update) -> api.ChatChunkChoice:
+            def chunk_choice(_: int, d: Delta, __: Update) -> api.ChatChunkChoice | None:
                 role: Any = None if d.index in started else "assistant"
                 started.add(d.index)
-                lp = responses.chat_logprobs(d.token_ids, d.logprobs, token_str, top_n) if want_lp else None
+                lp = responses.chat_logprobs(d.token_ids, d.logprobs, name, top_n) if want_lp else None
                 content: str | None = d.text
                 calls: list[tool_calls.Call] = []
                 if with_tools:
@@ -113,15 +87,20 @@ def add_chat_route(
                     )
                     for j, c in enumerate(calls)
                 ]
+                reason = _reason(d.finish_reason, calls, choice)
+                if role is None and content is None and not delta_calls and lp is None and reason is None:
+                    return None  # the text is held back (it may start a tool call): no empty chunk
                 return api.ChatChunkChoice(
                     index=d.index,
                     delta=api.DeltaMessage(role=role, content=content, tool_calls=delta_calls or None),
                     logprobs=lp,
-                    finish_reason=_reason(d.finish_reason, calls, choice),
+                    finish_reason=reason,
                 )
 
             def chunk(choices: list[Any], usage: api.Usage | None) -> api.ChatCompletionChunk:
-                return api.ChatCompletionChunk(id=rid, model=served_model_name, choices=choices, usage=usage)
+                return api.ChatCompletionChunk(
+                    id=rid, created=created, model=served_model_name, choices=choices, usage=usage
+                )
 
             events = responses.sse_events(streams, chunk_choice, chunk, include_usage, continuous)
             return StreamingResponse(events, media_type="text/event-stream")
@@ -139,16 +118,14 @@ def add_chat_route(
                     api.ChatChoice(
                         index=k,
                         message=api.AssistantMessage(content=text, tool_calls=_calls(calls) or None),
-                        logprobs=responses.chat_logprobs(
-                            acc.toks.get(k, []), acc.lps.get(k), token_str, top_n
-                        )
+                        logprobs=responses.chat_logprobs(acc.toks.get(k, []), acc.lps.get(k), name, top_n)
                         if want_lp
                         else None,
                         finish_reason=_reason(acc.reasons.get(k), calls, choice),
                     )
                 )
             return api.ChatCompletionResponse(
-                id=rid, model=served_model_name, choices=choices, usage=acc.usage()
+                id=rid, created=created, model=served_model_name, choices=choices, usage=acc.usage()
             )
 
         return await handling.run_collect(request, collect(), streams)

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from ferryman.server import protocol as api
+from ferryman.server import response_models as api  # not protocol, which imports this module
 
 # The answers the schema publishes besides 200: errors in OpenAI's body (and no FastAPI 422: a
 # body the request models refuse gets 400).

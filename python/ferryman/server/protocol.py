@@ -21,6 +21,9 @@ from annotated_types import Ge, Le
 from pydantic import BeforeValidator, Field
 
 from ferryman.sampling_params import SamplingParams
+from ferryman.server.chat_prompt import ChatMessage as ChatMessage
+from ferryman.server.chat_prompt import ChatPrompt
+from ferryman.server.chat_prompt import ContentPart as ContentPart
 from ferryman.server.response_models import (
     AssistantMessage as AssistantMessage,
 )
@@ -101,7 +104,7 @@ from ferryman.server.schema_types import (
 )
 from ferryman.server.schema_types import Body as _Body
 from ferryman.server.structured import StructuredFields
-from ferryman.server.tools import Tool, ToolCallIn, ToolChoice, choose, constraint
+from ferryman.server.tools import constraint
 
 
 class StreamOptions(_Body):
@@ -132,6 +135,14 @@ class _Sampling(StructuredFields):
     logit_bias: LogitBias | None = None
     min_tokens: Annotated[int, Ge(0), Le(JSON_INT_MAX), JSON_INT] = 0
     include_stop_str_in_output: bool = False  # vLLM's: a matched stop string stays in the text
+    # vLLM's: only the prompt's last k tokens are kept (-1: the last max_model_len)
+    truncate_prompt_tokens: Annotated[int, Ge(1), Le(JSON_INT_MAX), JSON_INT] | Literal[-1] | None = None
+    # vLLM's: logprobs name tokens as "token_id:{id}" instead of their text
+    return_tokens_as_token_ids: bool = False
+    # vLLM's fields that would change the answer and are not implemented: refused by name
+    allowed_token_ids: Unsupported = None
+    bad_words: Unsupported = None
+    use_beam_search: Annotated[Literal[False], BeforeValidator(_json_false)] | None = None
 
     def _params(
         self,
@@ -179,7 +190,13 @@ class _Sampling(StructuredFields):
             prompt_logprobs=prompt_logprobs,
             structured_outputs=self.structured(),
             include_stop_str_in_output=self.include_stop_str_in_output,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
+
+
+def _check_best_of(best_of: int | None, n: int) -> None:
+    if best_of is not None and best_of != n:
+        raise ValueError(f"best_of is not supported (only best_of == n, here {n}), got {best_of}")
 
 
 class CompletionRequest(_Sampling):
@@ -207,55 +224,21 @@ class CompletionRequest(_Sampling):
     def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens must be >= 1 (0 only with echo)")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(
-                f"best_of is not supported (only best_of == n, here {self.n}), got {self.best_of}"
-            )
+        _check_best_of(self.best_of, self.n)
         plp = self.prompt_logprobs
         if self.echo and (self.logprobs is not None or self.max_tokens == 0):  # echo needs them
             plp = max(self.logprobs or 0, plp or 0)
         return self._params(self.max_tokens, self.logprobs, plp, defaults)
 
 
-class ContentPart(_Body):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[ContentPart] | None = None
-    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls
-    tool_call_id: str | None = None  # a tool turn: the call it answers
-    name: str | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
-        return self.content or ""
-
-    def for_template(self) -> dict[str, Any]:
-        m: dict[str, Any] = {"role": self.role, "content": self.text()}
-        if self.tool_calls:
-            m["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
-        m |= {k: v for k, v in (("tool_call_id", self.tool_call_id), ("name", self.name)) if v is not None}
-        return m
-
-
-class ChatCompletionRequest(_Sampling):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+class ChatCompletionRequest(_Sampling, ChatPrompt):
+    # the prompt's fields (messages, tools, tool_choice, add_generation_prompt, ...): ChatPrompt
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
-    # vLLM's: the template's assistant header after the messages; or, instead, the last message
-    # (an assistant's) left open, so the answer continues it
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    # OpenAI fields that would change the answer and are not implemented: refused by name
-    tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call
+    # OpenAI fields that would change the answer and are not implemented: refused by name
     functions: Unsupported = None
     function_call: Unsupported = None
     audio: Unsupported = None
@@ -266,17 +249,16 @@ class ChatCompletionRequest(_Sampling):
     store: Annotated[Literal[False], BeforeValidator(_json_false)] | None = None
     metadata: dict[str, str] | None = None  # descriptive only (OpenAI keeps it with `store`)
     service_tier: Literal["auto", "default"] | None = None  # one tier here
-
-    def effective_tool_choice(self) -> ToolChoice:
-        return choose(self.tools, self.tool_choice)
+    # vLLM's chat fields that are not served: refused by name (best_of == n is a no-op)
+    echo: Annotated[Literal[False], BeforeValidator(_json_false)] | None = None
+    prompt_logprobs: Unsupported = None
+    best_of: Annotated[int, Ge(1), Le(128), JSON_INT] | None = None
 
     def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message needs add_generation_prompt: false")
-        if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise ValueError("continue_final_message needs the last message to be an assistant's")
+        self.check_prompt()
+        _check_best_of(self.best_of, self.n)
         n = (self.top_logprobs or 0) if self.logprobs else None
         p = self._params(self.max_completion_tokens or self.max_tokens, n, None, defaults)
         so = constraint(self.tools or [], self.effective_tool_choice(), self.parallel_tool_calls is not False)

@@ -124,6 +124,12 @@ def echo_logprobs(
     return out
 
 
+def token_namer(token_str: Callable[[int], str], as_ids: bool) -> Callable[[int], str]:
+    """How logprobs name a token: its text, or vLLM's ``"token_id:{id}"`` with
+    ``return_tokens_as_token_ids``."""
+    return (lambda t: f"token_id:{t}") if as_ids else token_str
+
+
 def by_token_id(lps: list[dict[int, float] | None]) -> list[dict[str, float] | None]:
     """vLLM's ``prompt_logprobs`` field: JSON keys are strings."""
     return [None if d is None else {str(k): v for k, v in d.items()} for d in lps]
@@ -154,24 +160,26 @@ def chat_logprobs(
 
 async def sse_events(
     streams: list[AsyncIterator[Update]],
-    choice: Callable[[int, Delta, Update], Any],
+    choice: Callable[[int, Delta, Update], Any | None],
     chunk: Callable[[list[Any], api.Usage | None], Any],
     include_usage: bool,
     continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
     """A streamed response's events: one chunk per update that has deltas (``choice`` maps the
-    prompt index and a delta to a choice; with ``continuous_usage`` each carries the usage so
-    far), the usage chunk when asked, then ``[DONE]``; an engine that dies or fails the request
-    mid-stream ends it with an error event, then ``[DONE]``."""
+    prompt index and a delta to a choice, or None when it has nothing to send; with
+    ``continuous_usage`` each carries the usage so far), the usage chunk when asked, then
+    ``[DONE]``; an engine that dies or fails the request mid-stream ends it with an error event,
+    then ``[DONE]``."""
     prompt_tokens: dict[int, int] = {}
     completion_tokens = 0
     try:
         async for i, u in merge(streams):
             prompt_tokens[i] = u.num_prompt_tokens
             completion_tokens += sum(len(d.token_ids) for d in u.deltas)
-            if u.deltas:
+            choices = [c for d in u.deltas if (c := choice(i, d, u)) is not None]
+            if choices:  # a delta with nothing to say (text held back) sends no chunk
                 so_far = usage(sum(prompt_tokens.values()), completion_tokens) if continuous_usage else None
-                yield sse(chunk([choice(i, d, u) for d in u.deltas], so_far))
+                yield sse(chunk(choices, so_far))
         if include_usage:
             yield sse(chunk([], usage(sum(prompt_tokens.values()), completion_tokens)))
     except EngineDeadError as e:

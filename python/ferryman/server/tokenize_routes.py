@@ -7,14 +7,13 @@ prompt does not stall the server; text that is not valid Unicode is a 400."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any
+from typing import Any
 
 from fastapi import FastAPI
-from pydantic import Field
 
 from ferryman.server import protocol as api
+from ferryman.server.chat_prompt import ChatPrompt
 from ferryman.server.errors import ERRORS, ApiError
-from ferryman.server.protocol import ChatMessage
 from ferryman.server.schema_types import Body, TokenId
 from ferryman.tokenizer import check_text
 
@@ -28,12 +27,11 @@ class TokenizeCompletionRequest(Body):
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(Body):
-    """vLLM's ``/tokenize`` of chat messages, through the model's template."""
+class TokenizeChatRequest(ChatPrompt):
+    """vLLM's ``/tokenize`` of chat messages: the prompt the chat endpoint would send the model
+    (with ``tools``, ``continue_final_message``, ... as it has them)."""
 
     model: str | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
 
 
@@ -66,15 +64,7 @@ def add_tokenizer_routes(
         """vLLM's: the ids of a text prompt, or of chat messages through the model's template."""
         tok = need_tokenizer(body.model)
         if isinstance(body, TokenizeChatRequest):
-            if not getattr(tok, "chat_template", None):
-                raise ApiError(400, "this model has no chat template", "invalid_request_error", "messages")
-            msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
-            text = str(
-                tok.apply_chat_template(
-                    msgs, add_generation_prompt=body.add_generation_prompt, tokenize=False
-                )
-            )
-            special = False
+            text, special = body.render(tok), False
         else:
             text, special = body.prompt, body.add_special_tokens
         try:

@@ -30,7 +30,7 @@ def _arguments(value: Any) -> str | None:
             value = json.loads(value)
         except ValueError:
             return None
-    return json.dumps(value) if isinstance(value, dict) else None
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None  # as vLLM writes them
 
 
 def _call(obj: Any, key: str) -> Call | None:

@@ -37,11 +37,40 @@ pub struct GrammarSpec {
     pub data: String,
 }
 
+/// An object schema that lists `properties` and says nothing of any others allows no others, in
+/// `schema` and every schema under it (vLLM's default, xgrammar's strict mode, and what OpenAI's
+/// `strict: true` asks); `"additionalProperties": true` keeps an object open. The members of an
+/// `allOf` are left as written: closing each would refuse the properties of the others.
+fn close_objects(schema: &mut Value) {
+    let Value::Object(m) = schema else { return };
+    let open = ["additionalProperties", "unevaluatedProperties", "patternProperties"];
+    if m.contains_key("properties") && !open.iter().any(|k| m.contains_key(*k)) {
+        m.insert("additionalProperties".into(), Value::Bool(false));
+    }
+    for (keyword, sub) in m.iter_mut() {
+        match (keyword.as_str(), sub) {
+            (
+                "properties" | "patternProperties" | "$defs" | "definitions" | "dependentSchemas",
+                Value::Object(named),
+            ) => named.values_mut().for_each(close_objects),
+            ("anyOf" | "oneOf" | "prefixItems" | "items", Value::Array(list)) => {
+                list.iter_mut().for_each(close_objects)
+            }
+            (
+                "items" | "additionalProperties" | "additionalItems" | "not" | "if" | "then" | "else" | "contains",
+                sub,
+            ) => close_objects(sub),
+            _ => {}
+        }
+    }
+}
+
 impl GrammarSpec {
     /// The llguidance grammar this spec stands for, or why it is not one.
     fn to_top_level(&self) -> Result<TopLevelGrammar, String> {
         let json = |schema: Value| -> Result<TopLevelGrammar, String> {
             let mut schema = schema;
+            close_objects(&mut schema);
             if let Value::Object(m) = &mut schema {
                 m.entry("x-guidance").or_insert_with(|| serde_json::json!({"whitespace_flexible": false}));
             } else if !matches!(schema, Value::Bool(_)) {
@@ -228,6 +257,29 @@ mod tests {
         let mut mask = vec![0u32; c.mask_words()];
         g.fill_mask(&mut mask, [eos]).unwrap();
         assert!(allowed(&mask, a) && allowed(&mask, b) && !allowed(&mask, eos));
+    }
+
+    #[test]
+    fn objects_allow_no_properties_they_do_not_name_unless_they_say_so() {
+        let (c, eos) = compiler();
+        let tok = fixtures::byte_level();
+        let accepts = |schema: &str, text: &str| {
+            let mut g = c.compile(&GrammarSpec { kind: "json".into(), data: schema.into() }).unwrap();
+            let ids = tok.hf().encode(text, false).unwrap().get_ids().to_vec();
+            let mut mask = vec![0u32; c.mask_words()];
+            ids.iter().all(|&t| {
+                g.fill_mask(&mut mask, [eos]).unwrap();
+                allowed(&mask, t) && g.consume(t).is_ok()
+            })
+        };
+        let named = r#"{"type": "object", "properties": {"a": {"type": "integer"}}}"#;
+        assert!(accepts(named, r#"{"a":1}"#));
+        assert!(!accepts(named, r#"{"a":1,"b":2}"#), "b is not named");
+        let nested = r#"{"type": "array", "items": {"properties": {"a": {"type": "integer"}}}}"#;
+        assert!(!accepts(nested, r#"[{"a":1,"b":2}]"#), "closed inside items too");
+        let open = r#"{"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": true}"#;
+        assert!(accepts(open, r#"{"a":1,"b":2}"#));
+        assert!(accepts(r#"{"type": "object"}"#, r#"{"b":2}"#), "no properties listed: open");
     }
 
     #[test]

@@ -116,7 +116,8 @@ class SamplingParams:
     sequence's own tokens: ``repetition_penalty`` (vLLM's: a logit of a token in the prompt or the
     output so far is divided by it if positive, multiplied if not), ``frequency_penalty`` (minus
     it times the token's count in the output) and ``presence_penalty`` (minus it once the token
-    is in the output). Logprobs stay those of the model's raw logits.
+    is in the output). Logprobs stay those of the model's raw logits (with a structured output,
+    of those its grammar allows, as vLLM reports them).
     """
 
     n: int = 1

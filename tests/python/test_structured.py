@@ -67,7 +67,8 @@ def cases(temperature: float) -> list[SamplingParams]:
 
 def test_choice_matches_the_reference_loop(model: Path) -> None:
     """Greedy under a choice grammar is the argmax over the tokens that keep the text a prefix
-    of a choice (EOS once it is one), ending where no choice goes on."""
+    of a choice (EOS once it is one), ending where no choice goes on; its logprobs are the
+    log-softmax over those tokens only (vLLM's), the forbidden ones never among the top."""
     import transformers as tf
 
     hf = tf.AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
@@ -75,7 +76,7 @@ def test_choice_matches_the_reference_loop(model: Path) -> None:
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     eng = Engine(str(model), calibrate=False)
     for prompt in PROMPTS:
-        seq, text = tok.encode(prompt, add_special_tokens=False), ""
+        seq, text, want = tok.encode(prompt, add_special_tokens=False), "", []
         while True:
             nxt = {c[len(text)] for c in CHOICES if c.startswith(text) and len(c) > len(text)}
             if not nxt:
@@ -84,13 +85,19 @@ def test_choice_matches_the_reference_loop(model: Path) -> None:
             with torch.no_grad():
                 lg = hf(torch.tensor([seq])).logits[0, -1]
             t = max(allowed, key=lambda i: float(lg[i]))
+            lp = torch.log_softmax(lg[allowed], dim=-1)
+            want.append({a: float(v) for a, v in zip(allowed, lp, strict=True)})
             if t == eos:
                 break
             seq.append(t)
             text += tok.decode([t])
-        sp = SamplingParams(temperature=0.0, max_tokens=10, structured_outputs=SO(choice=CHOICES))
+        sp = SamplingParams(temperature=0.0, max_tokens=10, structured_outputs=SO(choice=CHOICES), logprobs=4)
         out = eng.generate([prompt], sp)[0].outputs[0]
         assert (out.text, out.finish_reason) == (text, "stop"), prompt
+        assert out.logprobs is not None
+        for got, exp in zip(out.logprobs, want, strict=False):
+            assert set(got) <= set(exp), (got, exp)  # only tokens the grammar allows
+            assert all(abs(v - exp[k]) < 1e-4 for k, v in got.items()), (got, exp)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])

@@ -123,7 +123,8 @@ def gather_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int | None]
 ) -> list[dict[int, float] | None]:
     """For rows that ask for logprobs: the sampled token's and the top-N of the model's
-    distribution (log-softmax of the raw logits), as ``{token_id: logprob}``."""
+    distribution (log-softmax of the raw logits, or of those a grammar masks), as ``{token_id:
+    logprob}``; a token a grammar forbids (-inf) is never among the top N, so fewer may come."""
     rows = [i for i, n in enumerate(wanted) if n is not None]
     out: list[dict[int, float] | None] = [None] * len(wanted)
     if not rows:
@@ -134,7 +135,8 @@ def gather_logprobs(
     chosen = lp.gather(1, tokens[rows].long()[:, None])[:, 0]
     for j, i in enumerate(rows):
         n = wanted[i] or 0
-        d = {int(t): float(v) for t, v in zip(ids[j, :n].tolist(), vals[j, :n].tolist(), strict=True)}
+        pairs = zip(ids[j, :n].tolist(), vals[j, :n].tolist(), strict=True)
+        d = {int(t): float(v) for t, v in pairs if v != float("-inf")}
         d[int(tokens[i])] = float(chosen[j])
         out[i] = d
     return out

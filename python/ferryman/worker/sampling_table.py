@@ -223,11 +223,13 @@ class SamplingTable:
         logit is finite (False: NaN or +inf in the row, or all of it -inf; read off the argmax
         that greedy sampling takes anyway, so the check costs no pass of its own), or None on
         the CPU when every row is; and the samples' logprobs when any wants them."""
-        raw = logits  # logprobs are the model's own
+        raw = logits  # logprobs are the model's own: before penalties, biases and temperature
         if a.adjust is not None:
             logits = self.logit_state.apply(logits, rows, a.adjust, self.by_row)
         if a.grammar is not None:
             logits = apply_grammar(logits, *a.grammar, fallback=raw if a.adjust is not None else None)
+            if a.wanted is not None:  # but under the grammar's mask, as vLLM reports them
+                raw = logits if a.adjust is None else apply_grammar(raw, *a.grammar)
         if logits.device.type == "cpu":
             tokens, ok = self._sample_cpu(logits, rows, seq_indices, positions)
         else:

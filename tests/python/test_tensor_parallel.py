@@ -28,7 +28,7 @@ from ferryman.models.config import ModelConfig
 from ferryman.models.llama import LlamaForCausalLM
 from ferryman.models.tensor_parallel import TensorParallel, shard_of
 from ferryman.sampling_params import SamplingParams
-from ferryman.worker.tp_workers import free_port, init_rank
+from ferryman.worker.tp_workers import RankFailedError, free_port, init_rank
 
 TOKENS = [3, 17, 42, 5, 88, 61, 7, 29, 30, 2, 55, 90]
 
@@ -218,3 +218,19 @@ def test_a_rank_that_arrives_after_the_collective_timeout_still_joins() -> None:
             dist.destroy_process_group()
         late.join(timeout=30)
     assert late.exitcode == 0
+
+
+def _dies_at_start() -> None:
+    raise SystemExit(3)  # what a worker does that cannot start (a script without a __main__ guard)
+
+
+def test_a_worker_that_dies_before_joining_fails_the_start_at_once() -> None:
+    """Rank 0 polls its workers while it waits for them: one that has exited fails the start-up
+    at once, naming it, instead of after the rendezvous' 300 s (a user trial's hang)."""
+    spec = SimpleNamespace(init_method=f"tcp://127.0.0.1:{free_port()}", world=2, timeout_s=1.0, device="cpu")
+    worker = mp.get_context("spawn").Process(target=_dies_at_start)
+    worker.start()
+    worker.join(timeout=60)
+    with pytest.raises(RankFailedError, match=r"stopped before joining \(pid \d+\).*__main__"):
+        init_rank(spec, 0, lambda: [] if worker.is_alive() else [f"pid {worker.pid}"])
+    assert not dist.is_initialized()  # (waiting out the rendezvous would say "0 of 1 ... joined")

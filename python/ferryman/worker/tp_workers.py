@@ -38,7 +38,6 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any, Protocol
 
@@ -50,7 +49,9 @@ import torch.multiprocessing as mp
 from ferryman.models.tensor_parallel import TensorParallel
 from ferryman.worker.calibrate import profile_kv_blocks
 from ferryman.worker.model_runner import ModelRunner, runner_with_pool
-from ferryman.worker.tp_devices import KvSizing, backend_of, everywhere, rank_device, rank_num_blocks
+from ferryman.worker.tp_devices import KvSizing, everywhere, rank_device, rank_num_blocks
+from ferryman.worker.tp_rendezvous import RankFailedError as RankFailedError
+from ferryman.worker.tp_rendezvous import init_rank as init_rank
 
 PLAN_FIELDS = (
     "table_rows",
@@ -72,11 +73,6 @@ PLAN_FIELDS = (
 )
 
 
-class RankFailedError(RuntimeError):
-    """A tensor-parallel rank stopped answering: the engine cannot go on (``engine_faults``
-    treats it as fatal)."""
-
-
 @dataclass(frozen=True, slots=True)
 class RankSpec:
     """What every rank builds its part from (picklable, sent to the workers at spawn)."""
@@ -94,9 +90,6 @@ class RankSpec:
     timeout_s: float = 60.0  # the forward's collectives (FERRYMAN_TEST_TP_TIMEOUT_S in tests)
     device: str = "cpu"  # rank 0's; rank r runs on ``tp_devices.rank_device(device, r)``
     sizing: KvSizing | None = None
-
-
-RENDEZVOUS_TIMEOUT_S = 300.0  # how long ranks wait for each other to start
 
 
 def free_port() -> int:
@@ -137,33 +130,6 @@ def build_runner(spec: RankSpec, rank: int, plans: Any, model: Any = None) -> Mo
         max_num_seqs=spec.max_num_seqs,
         max_model_len=spec.max_model_len,
     )
-
-
-def init_rank(spec: RankSpec, rank: int) -> Any:
-    """Joins the group (the forward's collectives time out after ``spec.timeout_s``) and returns
-    the plans' group, whose broadcasts wait as long as the engine idles. The rendezvous waits up
-    to ``RENDEZVOUS_TIMEOUT_S`` for every rank to arrive, whatever ``spec.timeout_s`` is: a rank
-    starting on a loaded machine (importing torch, loading its slice) is late, not dead. On CUDA
-    the rank's device becomes current first (NCCL binds a rank to it)."""
-    device = rank_device(spec.device, rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    host, port = spec.init_method.removeprefix("tcp://").rsplit(":", 1)
-    store = dist.TCPStore(  # type: ignore[attr-defined]  # re-exported by torch.distributed
-        host,
-        int(port),
-        spec.world,
-        is_master=rank == 0,
-        timeout=timedelta(seconds=max(RENDEZVOUS_TIMEOUT_S, spec.timeout_s)),
-    )
-    dist.init_process_group(
-        backend_of(spec.device),
-        store=store,
-        rank=rank,
-        world_size=spec.world,
-        timeout=timedelta(seconds=spec.timeout_s),
-    )
-    return dist.new_group(list(range(spec.world)), timeout=timedelta(days=365), backend="gloo")
 
 
 def worker_main(rank: int, spec: RankSpec) -> None:
@@ -235,7 +201,7 @@ def start(
     and builds rank 0's runner around ``model``."""
     workers = launch(spec)
     try:
-        plans = init_rank(workers.spec, 0)
+        plans = init_rank(workers.spec, 0, workers.dead)
         return TensorParallelRunner(build_runner(workers.spec, 0, plans, model), workers, plans)
     except BaseException:  # no half-started ranks left behind
         workers.kill()

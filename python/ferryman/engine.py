@@ -78,7 +78,7 @@ class Engine(FaultsMixin, OfflineMixin):
         self._next_id = 0
         self._num_added = 0
         self.peak_blocks_used = 0
-        self._num_events_pending = 0  # preemptions planned whose events are not yet drained
+        self._events: dict[int, list[PreemptionEvent]] = {}  # planned steps' preemptions, by step
         self._inflight: _InFlight | None = None
         faults = parse_fault_steps(os.environ.get("FERRYMAN_TEST_FAULT_STEPS"))  # test-only
         self._worker = StepWorker(
@@ -215,7 +215,7 @@ class Engine(FaultsMixin, OfflineMixin):
             try:
                 sampled = self._worker.run(plan, self._sampling.args(plan))
             except Exception as e:
-                return StepResult(self._step_failed(plan, e), StepStats.of(plan, 0))
+                return self._step_failed(plan, e)
             return self._apply(plan, sampled)
         while True:
             prev = self._inflight
@@ -230,7 +230,7 @@ class Engine(FaultsMixin, OfflineMixin):
                 try:
                     nxt.sampled = self._worker.run(nxt.plan, args)
                 except Exception as e:
-                    return StepResult(self._inflight_failed(e), StepStats.of(nxt.plan, 0))
+                    return self._inflight_failed(e)
                 continue
             if nxt is not None and self._applier is not None:  # CPU: apply beside the forward
                 applied = self._applier.submit(self._apply, prev.plan, prev.sampled)
@@ -249,13 +249,20 @@ class Engine(FaultsMixin, OfflineMixin):
                 result = self._apply(prev.plan, prev.sampled)
             self._free_ids.extend(prev.release)
             if error is not None:  # `prev` is applied: `nxt` is the core's only pending step
-                result.outputs.extend(self._inflight_failed(error))
+                failed = self._inflight_failed(error)
+                result.outputs.extend(failed.outputs)
+                result.preemptions.extend(failed.preemptions)
             return result
 
     def _plan(self) -> Any:
         """``schedule()`` and the bookkeeping of the planned step."""
         out = self.scheduler.schedule()
-        self._num_events_pending += out.num_preemptions
+        if out.num_preemptions:  # the events of this plan, returned with its step's result
+            reqs = self._outputs.reqs
+            self._events[out.step] = [
+                PreemptionEvent(**e, request_id=st.request_id if (st := reqs.get(e["req_id"])) else None)
+                for e in self.scheduler.drain_events()
+            ]
         added = out.added_req_ids  # a sequence scheduled for the first time takes a batch row
         if len(added):
             now, reqs = time.monotonic(), self._outputs.reqs
@@ -280,14 +287,7 @@ class Engine(FaultsMixin, OfflineMixin):
         for ro in outputs:
             if ro.finished:
                 self._release(self._core_ids[ro.request_id])
-        events = []
-        if self._num_events_pending:  # events come only from preemptions, counted as planned
-            self._num_events_pending = 0
-            reqs = self._outputs.reqs
-            events = [
-                PreemptionEvent(**e, request_id=st.request_id if (st := reqs.get(e["req_id"])) else None)
-                for e in self.scheduler.drain_events()
-            ]
+        events = self._events.pop(out.step, [])
         return StepResult(outputs + failed, StepStats.of(out, res.num_generated), events)
 
     def tokenize(self, prompt: Prompt, ids: list[int] | None = None) -> tuple[str | None, list[int]]:

@@ -14,7 +14,7 @@ import numpy as np
 
 from ferryman._core import Scheduler
 from ferryman.output_processor import OutputProcessor
-from ferryman.outputs import RequestOutput
+from ferryman.outputs import PreemptionEvent, RequestOutput, StepResult, StepStats
 from ferryman.worker.tp_workers import RankFailedError
 
 MAX_STEP_FAILURES = 3  # failed steps within FAILURE_WINDOW_S that mark the engine dead
@@ -33,10 +33,11 @@ class FaultsMixin:
         _inflight: Any  # engine._InFlight | None
         _free_ids: list[int]
         _failures: deque[float]
+        _events: dict[int, list[PreemptionEvent]]
 
         def _release(self, core_id: int) -> None: ...
 
-    def _inflight_failed(self, error: Exception) -> list[RequestOutput]:
+    def _inflight_failed(self, error: Exception) -> StepResult:
         """The planned step raised while it ran: fails it; no step is left in flight."""
         failed = self._inflight
         assert failed is not None
@@ -44,11 +45,11 @@ class FaultsMixin:
         self._free_ids.extend(failed.release)
         return self._step_failed(failed.plan, error)
 
-    def _step_failed(self, plan: Any, error: Exception) -> list[RequestOutput]:
+    def _step_failed(self, plan: Any, error: Exception) -> StepResult:
         """A step (the core's only pending one) raised in its forward or sampling: fails the
         requests it scheduled or preempted (a swap-out it planned may not have run), then
-        applies it with every sample dropped. Raises ``EngineDeadError`` when too many steps
-        failed lately."""
+        applies it with every sample dropped; its result holds those failures. Raises
+        ``EngineDeadError`` when too many steps failed lately."""
         if isinstance(error, RankFailedError):  # a tensor-parallel rank is gone: nothing can run
             raise EngineDeadError(str(error)) from error
         now = time.monotonic()
@@ -62,7 +63,7 @@ class FaultsMixin:
             raise EngineDeadError(
                 f"{len(self._failures)} steps failed within {FAILURE_WINDOW_S:.0f} s; the last: {error!r}"
             ) from error
-        return outputs
+        return StepResult(outputs, StepStats.of(plan, 0), self._events.pop(plan.step, []))
 
     def _fail_non_finite(
         self, plan: Any, sampled: Any, ids: np.ndarray

@@ -92,6 +92,7 @@ def test_forced_preemption_gives_identical_greedy_output(models: dict[str, Path]
         res = tight.step()
         done.update({o.request_id: o for o in res.outputs})
         events += res.preemptions
+        assert res.stats is not None and all(e.step == res.stats.step for e in res.preemptions)
     got = [[c.token_ids for c in done[str(i)].outputs] for i in range(len(prompts))]
     assert got == want
     assert want[2][0] == want[2][1], "greedy forks of one request agree"

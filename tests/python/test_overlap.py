@@ -177,6 +177,8 @@ def test_a_parent_preempted_before_its_fork_loses_its_samples_cleanly(model: Pat
         while eng.has_unfinished_requests():
             res = eng.step()
             reasons |= {e.reason for e in res.preemptions}
+            assert res.stats is not None  # a step's preemptions come with that step, not the one before
+            assert all(e.step == res.stats.step for e in res.preemptions), (res.stats.step, res.preemptions)
             got.update({o.request_id: [c.token_ids for c in o.outputs] for o in res.outputs})
         outs[on] = got
         if on:

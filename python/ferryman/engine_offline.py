@@ -23,6 +23,7 @@ class OfflineMixin:
         generation_defaults: dict[str, Any]
         _inflight: Any
         _num_added: int
+        _core_ids: dict[str, int]
 
         def add_request(
             self,
@@ -51,7 +52,14 @@ class OfflineMixin:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in input order. A prompt or
-        parameter set that is refused refuses the whole call: nothing of it stays queued."""
+        parameter set that is refused refuses the whole call: nothing of it stays queued. It runs
+        the engine alone: with requests of ``add_request`` unfinished it raises
+        ``InvalidRequestError`` (their outputs would be stepped past and lost)."""
+        if self._core_ids:
+            raise InvalidRequestError(
+                f"generate() needs the engine to itself, and {len(self._core_ids)} request(s) added with "
+                "add_request are unfinished: step() them to the end, or abort them, first"
+            )
         plist: list[Prompt]
         if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], Integral)):
             plist = [cast(Prompt, prompts)]

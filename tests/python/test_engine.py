@@ -184,6 +184,10 @@ def test_a_refused_request_or_call_leaves_nothing_queued(models: dict[str, Path]
     with pytest.raises(ValueError, match="2 prompts but 3"):
         eng.generate(PROMPTS[:2], [GREEDY] * 3)
     assert not eng.has_unfinished_requests() and eng.stats()["num_waiting"] == 0
+    eng.add_request("mine", PROMPTS[2], GREEDY)  # generate() would step past its output: refused
+    with pytest.raises(InvalidRequestError, match=r"1 request\(s\) added with add_request are unfinished"):
+        eng.generate(PROMPTS[:2], GREEDY)
+    assert eng.abort_request("mine")
     out = eng.generate(PROMPTS[:2], GREEDY)
     assert [len(o.outputs[0].token_ids) for o in out] == [12, 12]
     assert eng.generate(np.array(PROMPTS[0]), GREEDY)[0].outputs[0].token_ids == out[0].outputs[0].token_ids

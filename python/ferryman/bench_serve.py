@@ -31,14 +31,39 @@ class Result:
     output_tokens: int = 0
 
 
-def _span(s: str) -> tuple[int, int]:
+def _span(flag: str, s: str, least: int = 1) -> tuple[int, int]:
+    """``LO:HI`` (or ``N``) with ``least <= LO <= HI``; ``ValueError`` naming ``flag`` otherwise."""
     lo, _, hi = s.partition(":")
-    return int(lo), int(hi or lo)
+    try:
+        span = int(lo), int(hi or lo)
+    except ValueError:
+        span = (least - 1, 0)
+    if not least <= span[0] <= span[1]:
+        raise ValueError(f"{flag} {s!r}: want LO:HI with {least} <= LO <= HI")
+    return span
+
+
+def check(a: argparse.Namespace) -> None:
+    """``ValueError`` for flags no run can use, before any request is sent."""
+    if a.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {a.num_prompts}")
+    if not a.rate > 0:  # NaN too
+        raise ValueError(f"--rate must be > 0 requests per second (or inf), got {a.rate}")
+    if a.max_concurrency is not None and a.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {a.max_concurrency}")
+    if not a.timeout > 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {a.timeout}")
+    _span("--output-len", a.output_len)
+    if not a.dataset:
+        _span("--input-len", a.input_len)
+        lo, hi = _span("--token-range", a.token_range, 0)
+        if lo == hi:
+            raise ValueError(f"--token-range {a.token_range!r}: token ids are drawn from LO to HI - 1")
 
 
 def workload(a: argparse.Namespace) -> list[tuple[Any, int]]:
     rng = random.Random(a.seed)
-    olo, ohi = _span(a.output_len)
+    olo, ohi = _span("--output-len", a.output_len)
     if a.dataset:
         with open(a.dataset, encoding="utf-8") as f:
             rows = json.load(f)
@@ -52,7 +77,7 @@ def workload(a: argparse.Namespace) -> list[tuple[Any, int]]:
             else:
                 out.append((r["prompt"], int(r.get("max_tokens") or rng.randint(olo, ohi))))
         return out
-    (tlo, thi), (ilo, ihi) = _span(a.token_range), _span(a.input_len)
+    (tlo, thi), (ilo, ihi) = _span("--token-range", a.token_range, 0), _span("--input-len", a.input_len)
     return [
         ([rng.randrange(tlo, thi) for _ in range(rng.randint(ilo, ihi))], rng.randint(olo, ohi))
         for _ in range(a.num_prompts)
@@ -113,22 +138,27 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
 
 
-def _summary(name: str, xs: list[float]) -> dict[str, float]:
+def _summary(name: str, xs: list[float]) -> dict[str, float | None]:
+    """Mean and percentiles in ms; None (no figure) when nothing was measured."""
     ms = [x * 1000 for x in xs]
     return {
-        f"{name}_mean_ms": round(sum(ms) / len(ms), 2) if ms else 0.0,
-        **{f"{name}_p{q}_ms": round(_pct(ms, q), 2) for q in (50, 90, 99)},
+        f"{name}_mean_ms": round(sum(ms) / len(ms), 2) if ms else None,
+        **{f"{name}_p{q}_ms": round(_pct(ms, q), 2) if ms else None for q in (50, 90, 99)},
     }
 
 
 async def run(a: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
+    check(a)
     work = workload(a)
     rng = random.Random(a.seed + 1)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=a.base_url, timeout=a.timeout, limits=limits) as client:
-        model = a.model or (await client.get("/v1/models")).json()["data"][0]["id"]
+        try:
+            model = a.model or (await client.get("/v1/models")).json()["data"][0]["id"]
+        except httpx.TransportError as e:  # said in one line (an OSError: exit status 1)
+            raise ConnectionError(f"no server answers at {a.base_url}: {e!r}") from None
         before = preemptions((await client.get("/metrics")).text)
         sem = asyncio.Semaphore(a.max_concurrency) if a.max_concurrency else None
         bar = None
@@ -186,7 +216,9 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         **_summary("tpot", tpot),
         **_summary("itl", [x for r in ok for x in r.itl]),
         **_summary("e2e", [r.e2e for r in ok]),
-        "preemptions": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in sorted(set(after) | set(before))},
+        "preemptions": {
+            k: round(after.get(k, 0.0) - before.get(k, 0.0)) for k in sorted(set(after) | set(before))
+        },
     }
     return report
 

@@ -11,4 +11,4 @@ def print_report(report: dict[str, Any], as_json: bool) -> None:
         print(json.dumps(report))
     else:
         for k, v in report.items():
-            print(f"{k}: {v}")
+            print(f"{k}: {'n/a' if v is None else v}")  # None: nothing measured

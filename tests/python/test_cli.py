@@ -239,9 +239,34 @@ def test_bad_files_and_values_are_said_without_a_traceback(
     assert "lengths are >= 1" in capsys.readouterr().err
     assert main([*sim, "--shape-set", "num_layers=0"]) == 2
     assert "num_layers must be > 0" in capsys.readouterr().err
+    for flags, said in (
+        (["--rate", "nan"], "rate must be > 0 (or inf), got nan"),  # before: a loop that never ended
+        (["--shared-prefix", "-5"], "shared_prefix must be >= 0"),
+        (["--sweep", "num_device_blocks=a"], "--sweep num_device_blocks: invalid literal"),
+        (["--sweep", "num_device_blocks=100", "--trace", str(trace)], "--trace records one run"),
+        (["--plot", str(tmp_path / "p.png")], "it needs --sweep"),
+    ):
+        assert main([*sim, *flags]) == 2
+        assert said in capsys.readouterr().err
+    work = tmp_path / "w.json"
+    work.write_text('[{"arrival_s": -3, "prompt_len": 4, "output_len": 2}]')
+    assert main(["sim", "--workload", str(work)]) == 2
+    assert "arrival_s must be a finite number of seconds >= 0" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main([*sim, "--arrival", "burst", "--burst-size", "0"])
     assert e.value.code == 2 and "must be >= 1" in capsys.readouterr().err
+    serve = (  # bench serve: refused before any request is sent
+        (["--rate", "0"], "--rate must be > 0"),
+        (["--timeout", "0"], "--timeout must be > 0"),
+        (["--max-concurrency", "0"], "--max-concurrency must be >= 1"),
+        (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+        (["--input-len", "5:2"], "--input-len '5:2': want LO:HI"),
+    )
+    for flags, said in serve:
+        assert main(["bench", "serve", "--no-progress", *flags]) == 2
+        assert said in capsys.readouterr().err
+    assert main(["bench", "serve", "--no-progress", "--base-url", "http://127.0.0.1:1"]) == 1
+    assert "no server answers at http://127.0.0.1:1" in capsys.readouterr().err
     bench = ((["--num-prompts", "0"], "--num-prompts must be >= 1"), (["--output-len", "9:3"], "LO <= HI"))
     for flags, said in bench:
         assert main(["bench", "throughput", "--no-hf", *flags]) == 2

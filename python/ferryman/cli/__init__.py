@@ -14,7 +14,7 @@ from ferryman.cli import bench, generate, plot, serve, sim
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ferryman", description="ferryman LLM serving engine")
-    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    sub = p.add_subparsers(dest="cmd")
     for command in (serve, generate, bench, sim, plot):
         command.register(sub)
     return p

@@ -98,6 +98,10 @@ def run(a: argparse.Namespace) -> int:
             seed=a.seed,
         )
     cfg = from_cli(SimConfig, a)
+    if a.sweep and a.trace:
+        raise ValueError("--trace records one run; with --sweep, run the value of interest alone")
+    if a.plot and not a.sweep:
+        raise ValueError("--plot draws a sweep: it needs --sweep")
     if a.sweep:
         knob, values = parse_sweep(a.sweep)
         rows = sweep(g, shape, work, cfg, knob, values)

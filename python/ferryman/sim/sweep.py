@@ -35,7 +35,10 @@ def parse_sweep(spec: str) -> tuple[str, list[Any]]:
     knob = knob.strip().replace("-", "_")
     if knob not in SWEEP_KNOBS or not values:
         raise ValueError(f"--sweep takes KNOB=V1,V2,... with KNOB one of {sorted(SWEEP_KNOBS)}")
-    return knob, [SWEEP_KNOBS[knob](v) for v in values.split(",")]
+    try:
+        return knob, [SWEEP_KNOBS[knob](v) for v in values.split(",")]
+    except ValueError as e:
+        raise ValueError(f"--sweep {knob}: {e}") from None
 
 
 def sweep(

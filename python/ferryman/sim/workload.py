@@ -80,10 +80,12 @@ def synthetic(
     if num_requests < 1:
         raise ValueError("num_requests must be >= 1")
     rng = np.random.default_rng(seed)
+    if shared_prefix < 0:
+        raise ValueError(f"shared_prefix must be >= 0, got {shared_prefix}")
     if rate == float("inf"):
         t = np.zeros(num_requests)
-    elif rate <= 0:
-        raise ValueError("rate must be > 0 (or inf)")
+    elif not rate > 0:  # NaN too: its gaps would never advance the clock
+        raise ValueError(f"rate must be > 0 (or inf), got {rate}")
     elif arrival == "poisson":
         t = np.cumsum(rng.exponential(1.0 / rate, size=num_requests))
     elif arrival == "burst":
@@ -114,6 +116,8 @@ def from_json(path: str | Path, *, vocab: int = 32000, seed: int = 0) -> Workloa
         ) from None
     if (p < 1).any() or (o < 1).any():
         raise ValueError(f"{path}: prompt_len and output_len must be >= 1")
+    if not (np.isfinite(t) & (t >= 0)).all():
+        raise ValueError(f"{path}: arrival_s must be a finite number of seconds >= 0")
     order = np.argsort(t, kind="stable")
     rng = np.random.default_rng(seed)
     prompts = [

@@ -480,6 +480,12 @@ def test_load_64_streams_on_a_tiny_pool(model_dir: Path, offline: Engine, tmp_pa
                 assert s.metric(f'ferryman_preemptions_total{{mode="{m}"') == n
         if mode != "auto":
             assert {e["mode"] for e in events} <= {mode}
+        # every block swapped out came back in, unless its request lost its prefix (recomputed)
+        out, back = (
+            s.metric("ferryman_blocks_swapped_out_total"),
+            s.metric("ferryman_blocks_swapped_in_total"),
+        )
+        assert out == back or s.metric("ferryman_swap_prefix_lost_total") > 0, (out, back)
     finally:
         s.stop()
     if mode == "swap":

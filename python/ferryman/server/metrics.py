@@ -49,6 +49,18 @@ class Metrics:
         self.swapped_out = Counter(p + "blocks_swapped_out", "KV blocks copied device->host", registry=r)
         self.swapped_in = Counter(p + "blocks_swapped_in", "KV blocks copied host->device", registry=r)
         self.swap_bytes = Counter(p + "swap_bytes", "KV bytes moved by swap", ["direction"], registry=r)
+        # why blocks swapped out may exceed those swapped in: the core's counters, as stats() has them
+        self._core_counters = {
+            "num_swap_prefix_lost": Counter(
+                p + "swap_prefix_lost",
+                "swapped requests recomputed, not swapped in (their prefix kept on the device was evicted)",
+                registry=r,
+            ),
+            "num_swap_fallbacks": Counter(
+                p + "swap_fallbacks", "swaps refused for lack of host blocks: recomputed instead", registry=r
+            ),
+        }
+        self._last_core = dict.fromkeys(self._core_counters, 0)
         self.prefix_queries = Counter(p + "prefix_cache_queries", "prompt blocks looked up", registry=r)
         self.prefix_hits = Counter(p + "prefix_cache_hits", "prompt blocks found cached", registry=r)
         self.prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate", "hits / queries since start", registry=r)
@@ -105,6 +117,9 @@ class Metrics:
         if inn:
             self.swapped_in.inc(inn)
             self.swap_bytes.labels(direction="in").inc(inn * cfg.bytes_per_block)
+        for name, counter in self._core_counters.items():
+            counter.inc(stats[name] - self._last_core[name])
+            self._last_core[name] = stats[name]
         q, h = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
         self.prefix_queries.inc(q - self._last_queries)
         self.prefix_hits.inc(h - self._last_hits)

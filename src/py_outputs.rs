@@ -224,6 +224,7 @@ pub struct PyStepOutputs {
     finished_rows: Array<u32>,
     output_token_offsets: Array<u32>,
     output_token_ids: Array<i32>,
+    stop_string_indices: Array<i32>,
     finish_reasons: Lazy<Vec<Option<FinishReason>>, PyList>,
     deltas: Lazy<(Vec<u8>, Vec<u32>), PyList>,
     output_texts: Lazy<(Vec<u8>, Vec<u32>), PyList>,
@@ -249,6 +250,7 @@ impl PyStepOutputs {
             finished_rows: Lazy::Rust(o.finished_rows),
             output_token_offsets: Lazy::Rust(o.output_token_offsets),
             output_token_ids: Lazy::Rust(o.output_token_ids),
+            stop_string_indices: Lazy::Rust(o.stop_string_indices),
             finish_reasons: Lazy::Rust(o.finish_reasons),
             deltas: Lazy::Rust((o.text, o.text_offsets)),
             output_texts: Lazy::Rust((o.output_text, o.output_text_offsets)),
@@ -264,7 +266,7 @@ fn strings(py: Python<'_>, (buf, offsets): (Vec<u8>, Vec<u32>)) -> PyResult<Boun
 
 pymethods_with_array_getters!(PyStepOutputs;
     arrays: req_ids: i64, seq_indices: i32, new_token_ids: i32, num_output_tokens: u32, finished_rows: u32,
-        output_token_offsets: u32, output_token_ids: i32;
+        output_token_offsets: u32, output_token_ids: i32, stop_string_indices: i32;
     pairs: ;
     #[getter]
     fn finish_reasons(&mut self, py: Python<'_>) -> PyResult<Py<PyList>> {

@@ -266,6 +266,10 @@ class StepOutputs:
     def output_texts(self) -> list[str]:
         """[F]: each finished sequence's whole text."""
     @property
+    def stop_string_indices(self) -> npt.NDArray[np.int32]:
+        """int32 [F]: the stop string (its index in the request's ``stop``) that finished each
+        finished sequence, or -1 (an EOS or stop id, a length, a complete grammar)."""
+    @property
     def num_generated(self) -> int:
         """Rows whose token was applied: S less the dropped ones (``num_output_tokens`` 0)."""
     @property

@@ -109,19 +109,25 @@ class OutputProcessor:
                     st.logprobs[k].append(lp)
         if fin:
             offs, all_toks, texts = res.output_token_offsets.tolist(), res.output_token_ids, res.output_texts
+            stops = res.stop_string_indices.tolist()
             for f, row in enumerate(fin):
                 st = reqs.get(ids[row])
                 if st is None:
                     continue
                 st.num_finished += 1
                 touched[ids[row]] = st
-                if st.params.output_kind == "final_only":
-                    k = ks[row]
+                k, kind = ks[row], st.params.output_kind
+                last = int(all_toks[offs[f + 1] - 1]) if offs[f + 1] > offs[f] else -1
+                why = _stop_reason(st.params, reasons[row], stops[f], last)
+                if kind == "final_only":
                     o = CompletionOutput(k, texts[f], all_toks[offs[f] : offs[f + 1]].tolist(), reasons[row])
                     if st.logprobs:
                         o.logprobs = st.logprobs[k]
                         o.cumulative_logprob = sum(d[t] for d, t in zip(o.logprobs, o.token_ids, strict=True))
                     st.outputs[k] = o
+                for o in deltas.get(ids[row], []) if kind == "delta" else [st.outputs[k]]:
+                    if o.index == k:
+                        o.stop_reason = why
         results = []
         for rid, st in touched.items():
             done = st.num_finished == st.params.n
@@ -157,6 +163,16 @@ class OutputProcessor:
         return RequestOutput(
             st.request_id, st.prompt, st.prompt_token_ids, outs, True, st.metrics, st.prompt_logprobs, message
         )
+
+
+def _stop_reason(params: Any, reason: str | None, stop_string: int, last_token: int) -> str | int | None:
+    """vLLM's ``stop_reason`` of a finished sequence: the stop string (by its index in ``stop``)
+    or the stop token id that ended it; None otherwise (an EOS id is not a stop reason)."""
+    if reason != "stop":
+        return None
+    if stop_string >= 0:
+        return str(params.stop[stop_string])
+    return last_token if last_token in params.stop_token_ids else None
 
 
 def _add_logprob(o: CompletionOutput, lp: Logprobs, tok: int) -> None:

@@ -19,6 +19,9 @@ class CompletionOutput:
     # model's top N (log-softmax of the raw logits)
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
+    # vLLM's: what stopped it with finish_reason "stop": the stop string matched, or the stop
+    # token id (of stop_token_ids); None for an EOS, a length, a complete grammar
+    stop_reason: str | int | None = None
 
 
 @dataclass(slots=True)

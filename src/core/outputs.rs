@@ -189,6 +189,9 @@ pub struct StepOutputs {
     /// [F+1] byte offsets into `output_text`: each finished sequence's whole text.
     pub output_text_offsets: Vec<u32>,
     pub output_text: Vec<u8>,
+    /// [F] the stop string (its index in the request's `stop`) that finished each finished
+    /// sequence, or -1 (an EOS or stop id, a length, a complete grammar).
+    pub stop_string_indices: Vec<i32>,
     /// Rows whose token was applied (S less the dropped ones, whose `num_output_tokens` is 0).
     pub num_generated: usize,
 }

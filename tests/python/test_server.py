@@ -584,6 +584,18 @@ def test_vllm_and_openai_request_fields(server: Server, offline: Engine) -> None
     assert held == offline.generate("Hello", sp)[0].outputs[0].text
     assert held.startswith(full[: at + 1]) and len(held) > at
     assert text(stop=[stop], min_tokens=12) == full
+
+    # vLLM's stop_reason: the stop string or stop token id that ended the choice, else null
+    def choice(**extra: Any) -> dict[str, Any]:
+        return dict(httpx.post(server.url + CMPL, json={**base, **extra}).json()["choices"][0])
+
+    tid = out.token_ids[3]
+    for extra, why in (({"stop": ["\u2603", stop]}, stop), ({"stop_token_ids": [tid]}, tid), ({}, None)):
+        c = choice(**extra)
+        assert (c["stop_reason"], c["finish_reason"]) == (why, "length" if why is None else "stop"), extra
+    assert (
+        offline.generate("Hello", dataclasses.replace(greedy, stop=[stop]))[0].outputs[0].stop_reason == stop
+    )
     # a streamed choice's text_offset runs on across chunks, as one response's does
     lp = {**base, "max_tokens": 6, "logprobs": 0}
     for extra in ({}, {"echo": True}):

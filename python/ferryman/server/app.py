@@ -179,7 +179,12 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
                     text, lp, plp = with_prompt(i, text, lp, pdata)
                     offsets[c] += len(echo_head(i)) if body.echo else 0
                 return api.CompletionChoice(
-                    index=c, text=text, logprobs=lp, finish_reason=d.finish_reason, prompt_logprobs=plp
+                    index=c,
+                    text=text,
+                    logprobs=lp,
+                    finish_reason=d.finish_reason,
+                    stop_reason=d.stop_reason,
+                    prompt_logprobs=plp,
                 )
 
             def chunk(choices: list[Any], usage: api.Usage | None) -> api.CompletionResponse:
@@ -200,7 +205,12 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
                 text, lp, plp = with_prompt(c // n, "".join(acc.text.get(c, [])), lp, acc.prompts.get(c // n))
                 choices.append(
                     api.CompletionChoice(
-                        index=c, text=text, logprobs=lp, finish_reason=acc.reasons.get(c), prompt_logprobs=plp
+                        index=c,
+                        text=text,
+                        logprobs=lp,
+                        finish_reason=acc.reasons.get(c),
+                        stop_reason=acc.stop_reasons.get(c),
+                        prompt_logprobs=plp,
                     )
                 )
             return api.CompletionResponse(

@@ -271,7 +271,10 @@ class AsyncEngine:
         s = self._streams.get(ro.request_id)
         if s is None:
             return 0
-        deltas = [Delta(o.index, o.text, o.token_ids, o.logprobs, o.finish_reason) for o in ro.outputs]
+        deltas = [
+            Delta(o.index, o.text, o.token_ids, o.logprobs, o.finish_reason, o.stop_reason)
+            for o in ro.outputs
+        ]
         u = Update(deltas, ro.finished, len(ro.prompt_token_ids), ro.error)
         if ro.prompt_logprobs is not None and not s.prompt_sent:
             u.prompt_token_ids, u.prompt_logprobs, s.prompt_sent = (

@@ -95,6 +95,7 @@ def add_chat_route(
                     delta=api.DeltaMessage(role=role, content=content, tool_calls=delta_calls or None),
                     logprobs=lp,
                     finish_reason=reason,
+                    stop_reason=d.stop_reason,
                 )
 
             def chunk(choices: list[Any], usage: api.Usage | None) -> api.ChatCompletionChunk:
@@ -122,6 +123,7 @@ def add_chat_route(
                         if want_lp
                         else None,
                         finish_reason=_reason(acc.reasons.get(k), calls, choice),
+                        stop_reason=acc.stop_reasons.get(k),
                     )
                 )
             return api.ChatCompletionResponse(

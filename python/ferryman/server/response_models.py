@@ -38,6 +38,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
     # vLLM's, with prompt_logprobs: per prompt token {token id: logprob}, the first null
     prompt_logprobs: list[dict[str, float] | None] | None = None
 
@@ -91,6 +92,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
 
 
 class ChatCompletionResponse(BaseModel):
@@ -113,6 +115,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
 
 
 class ChatCompletionChunk(BaseModel):

@@ -67,6 +67,7 @@ class Accumulated:
     toks: dict[int, list[int]] = field(default_factory=dict)
     lps: dict[int, list[dict[int, float]]] = field(default_factory=dict)
     reasons: dict[int, str | None] = field(default_factory=dict)
+    stop_reasons: dict[int, str | int | None] = field(default_factory=dict)
     prompt_tokens: dict[int, int] = field(default_factory=dict)
     # by prompt index, with prompt logprobs: the prompt's ids and their logprobs
     prompts: dict[int, tuple[list[int], list[dict[int, float] | None]]] = field(default_factory=dict)
@@ -87,6 +88,7 @@ async def accumulate(streams: list[AsyncIterator[Update]], n: int) -> Accumulate
             acc.toks.setdefault(c, []).extend(d.token_ids)
             acc.lps.setdefault(c, []).extend(d.logprobs or [])
             acc.reasons[c] = d.finish_reason
+            acc.stop_reasons[c] = d.stop_reason
     return acc
 
 

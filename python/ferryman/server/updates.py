@@ -20,6 +20,7 @@ class Delta:
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
 
 
 @dataclass(slots=True)

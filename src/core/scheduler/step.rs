@@ -327,6 +327,7 @@ impl Scheduler {
     ) {
         let r = self.reqs.get_mut(idx);
         let stop_token = finish == Some(FinishReason::Stop);
+        let mut stop_string = -1;
         if let Some(g) = r.grammar.as_deref_mut().filter(|_| !stop_token) {
             // a complete grammar ends the sequence; so does a token it refuses (a bug or a
             // sampler that ignored the mask), counted
@@ -341,11 +342,14 @@ impl Scheduler {
         if let (Some(text), Some(tok)) = (r.text.as_deref_mut(), self.tokenizer.as_ref()) {
             // a stop token's own text is not part of the output (vLLM's rule); a token the
             // tokenizer cannot decode adds no text
-            if !stop_token && matches!(text.push(tok, token), Ok(Push::Stop(_))) {
-                finish = Some(FinishReason::Stop);
+            let pushed = if stop_token { Ok(Push::Continue) } else { text.push(tok, token) };
+            if let Ok(Push::Stop(k)) = pushed {
+                (finish, stop_string) = (Some(FinishReason::Stop), k as i32);
             }
-            if finish.is_some() && matches!(text.finish(), Push::Stop(_)) {
-                finish = Some(FinishReason::Stop);
+            if finish.is_some() {
+                if let Push::Stop(k) = text.finish() {
+                    (finish, stop_string) = (Some(FinishReason::Stop), k as i32);
+                }
             }
             text.take_delta(&mut out.text);
         }
@@ -356,6 +360,7 @@ impl Scheduler {
             out.output_token_offsets.push(out.output_token_ids.len() as u32);
             out.output_text.extend_from_slice(r.text.as_ref().map_or(&b""[..], |t| t.released().as_bytes()));
             out.output_text_offsets.push(out.output_text.len() as u32);
+            out.stop_string_indices.push(stop_string);
             self.finish(idx, reason);
         }
     }

@@ -427,3 +427,32 @@ fn swap_leaves_a_shared_cached_prefix_on_the_device_and_takes_it_back() {
     let c = s.counters();
     assert_eq!((c.num_blocks_swapped_out, c.num_blocks_swapped_in, c.num_swap_prefix_lost), (2, 2, 0));
 }
+
+#[test]
+fn a_finished_sequence_names_the_stop_string_that_ended_it() {
+    use ferryman_core::text::fixtures;
+    use ferryman_core::TextParams;
+
+    let tok = fixtures::byte_level();
+    let ids = |t: &str| tok.hf().encode(t, false).unwrap().get_ids().to_vec();
+    let mut s = Scheduler::new(cfg(4, 16, 0)).unwrap();
+    s.set_tokenizer(tok.clone());
+    let stop = vec!["zz".to_string(), "c".to_string()];
+    let text = Some(TextParams { stop, ..TextParams::default() });
+    s.add_request(1, ids("x"), RequestParams { max_tokens: 8, text: text.clone(), ..params(8) }).unwrap();
+    s.add_request(2, ids("x"), RequestParams { max_tokens: 2, text, ..params(2) }).unwrap();
+    let (abc, de) = (ids("abc"), ids("de"));
+    let mut stops = HashMap::new();
+    for k in 0..3 {
+        let out = s.schedule().unwrap();
+        let sampled: Vec<i32> =
+            out.sample_req_ids.iter().map(|&r| if r == 1 { abc[k] } else { de[k.min(1)] } as i32).collect();
+        let r = s.update(&sampled).unwrap();
+        s.check_invariants().unwrap();
+        for (f, &row) in r.finished_rows.iter().enumerate() {
+            stops.insert(r.req_ids[row as usize], (r.finish_reasons[row as usize], r.stop_string_indices[f]));
+        }
+    }
+    assert_eq!(stops[&1], (Some(FinishReason::Stop), 1), "\"c\", the second stop string");
+    assert_eq!(stops[&2], (Some(FinishReason::Length), -1), "a length is no stop string");
+}

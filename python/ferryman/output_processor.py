@@ -33,6 +33,7 @@ class RequestState:
     num_finished: int = 0
     per_row: bool = False  # each of its rows needs Python work, not just its finish (set by add)
     prompt_logprobs: list[Logprobs | None] | None = None  # by prompt position, as they come
+    prompt_ranks: list[int | None] | None = None  # each prompt token's rank, with them
 
 
 class OutputProcessor:
@@ -47,16 +48,17 @@ class OutputProcessor:
             st.logprobs = [[] for _ in range(st.params.n)]
         if st.params.prompt_logprobs is not None:
             st.prompt_logprobs = [None] * len(st.prompt_token_ids)
+            st.prompt_ranks = [None] * len(st.prompt_token_ids)
         self.reqs[core_id] = st
         self._num_per_row += st.per_row
 
-    def add_prompt_logprobs(self, entries: list[tuple[int, int, Logprobs]]) -> None:
-        """(core id, prompt position, logprobs) of prompt tokens a step computed (a position
-        computed again after a recompute preemption gets the same values)."""
-        for core_id, pos, lp in entries:
+    def add_prompt_logprobs(self, entries: list[tuple[int, int, Logprobs, int]]) -> None:
+        """(core id, prompt position, logprobs, rank) of prompt tokens a step computed (a
+        position computed again after a recompute preemption gets the same values)."""
+        for core_id, pos, lp, rank in entries:
             st = self.reqs.get(core_id)
-            if st is not None and st.prompt_logprobs is not None:
-                st.prompt_logprobs[pos] = lp
+            if st is not None and st.prompt_logprobs is not None and st.prompt_ranks is not None:
+                st.prompt_logprobs[pos], st.prompt_ranks[pos] = lp, rank
 
     def remove(self, core_id: int) -> RequestState | None:
         st = self.reqs.pop(core_id, None)
@@ -141,7 +143,14 @@ class OutputProcessor:
                 outs = [CompletionOutput(o.index, finish_reason=o.finish_reason) for o in outs]
             results.append(
                 RequestOutput(
-                    st.request_id, st.prompt, st.prompt_token_ids, outs, done, st.metrics, st.prompt_logprobs
+                    st.request_id,
+                    st.prompt,
+                    st.prompt_token_ids,
+                    outs,
+                    done,
+                    st.metrics,
+                    st.prompt_logprobs,
+                    prompt_logprob_ranks=st.prompt_ranks,
                 )
             )
         return results
@@ -161,7 +170,15 @@ class OutputProcessor:
             for o in outs:
                 o.finish_reason = o.finish_reason or "error"
         return RequestOutput(
-            st.request_id, st.prompt, st.prompt_token_ids, outs, True, st.metrics, st.prompt_logprobs, message
+            st.request_id,
+            st.prompt,
+            st.prompt_token_ids,
+            outs,
+            True,
+            st.metrics,
+            st.prompt_logprobs,
+            message,
+            st.prompt_ranks,
         )
 
 

@@ -49,6 +49,8 @@ class RequestOutput:
     # set when the request failed (its logits were not finite, or its step raised): it is
     # finished, and its unfinished sequences have finish_reason "error"
     error: str | None = None
+    # with prompt_logprobs: each prompt token's rank in the vocabulary (1: the most likely; None first)
+    prompt_logprob_ranks: list[int | None] | None = None
 
 
 @dataclass(slots=True, frozen=True)

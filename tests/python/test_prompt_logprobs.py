@@ -59,6 +59,10 @@ def test_prompt_logprobs_match_transformers(model: Path, async_scheduling: bool)
     outs = eng.generate([PROMPT, PROMPT[:7]], sp)
     check(outs[0].prompt_logprobs, want, PROMPT, 2)
     check(outs[1].prompt_logprobs, want, PROMPT[:7], 2)
+    # each prompt token's rank in the vocabulary, as transformers' logits order it (vLLM's rank)
+    ranks = outs[0].prompt_logprob_ranks
+    assert ranks is not None and ranks[0] is None
+    assert ranks[1:] == [int((want[p - 1] > want[p - 1, PROMPT[p]]).sum()) + 1 for p in range(1, len(PROMPT))]
     assert outs[0].outputs[0].token_ids == eng.generate([PROMPT], plain)[0].outputs[0].token_ids
     assert eng.generate([PROMPT], plain)[0].prompt_logprobs is None
 

@@ -547,6 +547,20 @@ def test_echo_with_logprobs_as_lm_eval_asks(server: Server, offline: Engine) -> 
     choice = r.json()["choices"][0]
     assert choice["text"] == offline.tokenizer.decode(prompts[0]) and len(choice["logprobs"]["tokens"]) == 5
     assert choice["prompt_logprobs"][0] is None and len(choice["prompt_logprobs"][1]) >= 2
+    # vLLM's shape: {token id: {logprob, rank, decoded_token}}; the top 2 rank 1 and 2
+    want2 = offline.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))[0]
+    assert want2.prompt_logprobs is not None and want2.prompt_logprob_ranks is not None
+    for pos, entry in enumerate(choice["prompt_logprobs"][1:], start=1):
+        d = want2.prompt_logprobs[pos]
+        assert d is not None and set(entry) == {str(t) for t in d}
+        top = sorted(d, key=lambda t: -d[t])[:2]
+        for t, e in entry.items():
+            assert e["logprob"] == pytest.approx(d[int(t)], abs=1e-5)
+            assert e["decoded_token"] == offline.tokenizer.decode([int(t)])
+            want_rank = (
+                want2.prompt_logprob_ranks[pos] if int(t) == prompts[0][pos] else top.index(int(t)) + 1
+            )
+            assert e["rank"] == want_rank, (pos, t, e)
     plain = httpx.post(server.url + "/v1/completions", json=body).json()["choices"]
     with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}) as resp:
         events = sse(resp.iter_lines())

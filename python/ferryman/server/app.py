@@ -140,18 +140,18 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
             return p if isinstance(p, str) else str(tokenizer.decode(p)) if tokenizer is not None else ""
 
         def with_prompt(
-            i: int, text: str, lp: api.CompletionLogprobs | None, pdata: tuple[list[int], list[Any]] | None
-        ) -> tuple[str, api.CompletionLogprobs | None, list[dict[str, float] | None] | None]:
+            i: int, text: str, lp: api.CompletionLogprobs | None, pdata: responses.PromptData | None
+        ) -> tuple[str, api.CompletionLogprobs | None, list[dict[str, api.PromptLogprob] | None] | None]:
             """Choice text and logprobs of prompt i with the echoed prompt (and its logprobs) first;
             and vLLM's ``prompt_logprobs`` when asked."""
             plp = None
             if pdata is not None and body.prompt_logprobs is not None:
-                plp = responses.by_token_id(pdata[1])
+                plp = responses.prompt_logprobs(*pdata, token_str)
             if not body.echo:
                 return text, lp, plp
             head = echo_head(i)
             if lp is not None and pdata is not None:
-                full = responses.echo_logprobs(*pdata, name)
+                full = responses.echo_logprobs(pdata[0], pdata[1], name)
                 lp = api.CompletionLogprobs(
                     tokens=full.tokens + lp.tokens,
                     token_logprobs=full.token_logprobs + lp.token_logprobs,
@@ -175,7 +175,7 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
                 if first:  # the echoed prompt goes out with the choice's first chunk
                     pdata = None
                     if u.prompt_token_ids is not None and u.prompt_logprobs is not None:
-                        pdata = (u.prompt_token_ids, u.prompt_logprobs)
+                        pdata = (u.prompt_token_ids, u.prompt_logprobs, u.prompt_logprob_ranks or [])
                     text, lp, plp = with_prompt(i, text, lp, pdata)
                     offsets[c] += len(echo_head(i)) if body.echo else 0
                 return api.CompletionChoice(

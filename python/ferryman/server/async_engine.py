@@ -282,6 +282,7 @@ class AsyncEngine:
                 ro.prompt_logprobs,
                 True,
             )
+            u.prompt_logprob_ranks = ro.prompt_logprob_ranks
         self._send(ro.request_id, s, u, ro.metrics)
         return sum(len(d.token_ids) for d in deltas)
 

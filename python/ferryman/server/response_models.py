@@ -33,14 +33,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's ``Logprob``: a token's logprob, its rank in the vocabulary (1: the most likely) and
+    its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
-    # vLLM's, with prompt_logprobs: per prompt token {token id: logprob}, the first null
-    prompt_logprobs: list[dict[str, float] | None] | None = None
+    # vLLM's, with prompt_logprobs: per prompt token {token id: {logprob, rank, decoded_token}},
+    # the first null
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -59,6 +59,10 @@ async def merge(streams: list[AsyncIterator[Update]]) -> AsyncIterator[tuple[int
             t.cancel()
 
 
+# a prompt's ids, their logprobs and their ranks (with prompt logprobs)
+PromptData = tuple[list[int], list[dict[int, float] | None], list[int | None]]
+
+
 @dataclass(slots=True)
 class Accumulated:
     """A non-streamed response's choices, by choice index (prompt * n + sequence)."""
@@ -70,7 +74,7 @@ class Accumulated:
     stop_reasons: dict[int, str | int | None] = field(default_factory=dict)
     prompt_tokens: dict[int, int] = field(default_factory=dict)
     # by prompt index, with prompt logprobs: the prompt's ids and their logprobs
-    prompts: dict[int, tuple[list[int], list[dict[int, float] | None]]] = field(default_factory=dict)
+    prompts: dict[int, PromptData] = field(default_factory=dict)
 
     def usage(self) -> api.Usage:
         return usage(sum(self.prompt_tokens.values()), sum(len(t) for t in self.toks.values()))
@@ -81,7 +85,7 @@ async def accumulate(streams: list[AsyncIterator[Update]], n: int) -> Accumulate
     async for i, u in merge(streams):
         acc.prompt_tokens[i] = u.num_prompt_tokens
         if u.prompt_token_ids is not None and u.prompt_logprobs is not None:
-            acc.prompts[i] = (u.prompt_token_ids, u.prompt_logprobs)
+            acc.prompts[i] = (u.prompt_token_ids, u.prompt_logprobs, u.prompt_logprob_ranks or [])
         for d in u.deltas:
             c = i * n + d.index
             acc.text.setdefault(c, []).append(d.text)
@@ -132,9 +136,32 @@ def token_namer(token_str: Callable[[int], str], as_ids: bool) -> Callable[[int]
     return (lambda t: f"token_id:{t}") if as_ids else token_str
 
 
-def by_token_id(lps: list[dict[int, float] | None]) -> list[dict[str, float] | None]:
-    """vLLM's ``prompt_logprobs`` field: JSON keys are strings."""
-    return [None if d is None else {str(k): v for k, v in d.items()} for d in lps]
+def prompt_logprobs(
+    prompt: list[int],
+    lps: list[dict[int, float] | None],
+    ranks: list[int | None],
+    token_str: Callable[[int], str],
+) -> list[dict[str, api.PromptLogprob] | None]:
+    """vLLM's ``prompt_logprobs`` field: per prompt token (the first null), its own and the top
+    N tokens as ``{token id: {logprob, rank, decoded_token}}`` (JSON keys are strings). The top N
+    rank 1..N in order; the prompt token has the rank the model gave it in the vocabulary."""
+    out: list[dict[str, api.PromptLogprob] | None] = []
+    for i, (t, d) in enumerate(zip(prompt, lps, strict=True)):
+        if d is None:
+            out.append(None)
+            continue
+        order = {k: r for r, (k, _) in enumerate(sorted(d.items(), key=lambda kv: -kv[1]), start=1)}
+        given = ranks[i] if i < len(ranks) else None
+        own = order[t] if given is None else given
+        out.append(
+            {
+                str(k): api.PromptLogprob(
+                    logprob=v, rank=own if k == t else order[k], decoded_token=token_str(k)
+                )
+                for k, v in d.items()
+            }
+        )
+    return out
 
 
 def chat_logprobs(

@@ -32,6 +32,7 @@ class Update:
     # with prompt logprobs, once (on the first update): the prompt's ids and their logprobs
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None  # each prompt token's rank, with them
 
 
 class RequestFailedError(RuntimeError):

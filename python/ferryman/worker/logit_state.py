@@ -45,11 +45,14 @@ class PromptArgs:
     top: np.ndarray  # int64
 
 
-def prompt_logprobs(logits: torch.Tensor, a: PromptArgs) -> list[tuple[int, int, dict[int, float]]]:
-    """(core id, prompt position, {token: logprob}) from the logits of ``a.at``'s rows: the
-    target's logprob and the top N (log-softmax of the raw logits)."""
+def prompt_logprobs(logits: torch.Tensor, a: PromptArgs) -> list[tuple[int, int, dict[int, float], int]]:
+    """(core id, prompt position, {token: logprob}, the target's rank) from the logits of
+    ``a.at``'s rows: the target's logprob and the top N (log-softmax of the raw logits), and the
+    target's rank in the vocabulary (1: the most likely; vLLM's ``Logprob.rank``)."""
     lp = torch.log_softmax(logits, dim=-1)
-    chosen = lp.gather(1, torch.from_numpy(a.targets).to(lp.device)[:, None])[:, 0].tolist()
+    chosen_t = lp.gather(1, torch.from_numpy(a.targets).to(lp.device)[:, None])
+    ranks = ((lp > chosen_t).sum(dim=-1) + 1).tolist()
+    chosen = chosen_t[:, 0].tolist()
     top = int(a.top.max()) if len(a.top) else 0
     vals, ids = lp.topk(top, dim=-1) if top else (lp[:, :0], lp[:, :0].long())
     vals_l, ids_l = vals.tolist(), ids.tolist()
@@ -59,7 +62,7 @@ def prompt_logprobs(logits: torch.Tensor, a: PromptArgs) -> list[tuple[int, int,
     ):
         d = dict(zip(ids_l[i][:n], vals_l[i][:n], strict=True))
         d[t] = chosen[i]
-        out.append((r, pos, d))
+        out.append((r, pos, d, int(ranks[i])))
     return out
 
 

@@ -40,7 +40,8 @@ class Sampled:
     ids: np.ndarray | torch.Tensor  # numpy, or a pinned tensor that ``ready`` fills
     logprobs: Logprobs
     ready: torch.cuda.Event | None = None
-    prompt_logprobs: list[tuple[int, int, dict[int, float]]] | None = None  # (core id, position, lps)
+    # (core id, position, logprobs, the prompt token's rank)
+    prompt_logprobs: list[tuple[int, int, dict[int, float], int]] | None = None
     any_bad: bool | None = None  # False: no id is -1 (not finite); None: not known without reading
 
     def host_ids(self) -> np.ndarray:

@@ -10,6 +10,7 @@ from numbers import Real
 from typing import Any
 
 from ferryman._core import InvalidRequestError
+from ferryman.gbnf import to_lark
 
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 # integer fields, and what the core and the sampling table store them in (int32 or int64)
@@ -62,9 +63,9 @@ def _check_types(p: SamplingParams) -> None:
 class StructuredOutputsParams:
     """Exactly one of: ``json`` (a JSON schema, as a dict or its text), ``json_object`` (any
     JSON object), ``regex``, ``choice`` (one of these strings) or ``grammar`` (a Lark grammar,
-    llguidance's dialect). vLLM's names. Masks come from the llguidance crate in the core; JSON
-    is generated compact (no whitespace between tokens) unless the schema's ``x-guidance``
-    options say otherwise."""
+    llguidance's dialect, or a GBNF one: ``gbnf.py``). vLLM's names. Masks come from the
+    llguidance crate in the core; JSON is generated compact (no whitespace between tokens)
+    unless the schema's ``x-guidance`` options say otherwise."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
@@ -92,7 +93,7 @@ class StructuredOutputsParams:
         if self.choice is not None:
             return "choice", json.dumps(self.choice)
         if self.grammar is not None:
-            return "lark", self.grammar
+            return "lark", to_lark(self.grammar)  # a GBNF grammar is rewritten, a Lark one kept
         return "json_object", ""
 
 

@@ -246,3 +246,37 @@ def test_smollm2_answers_in_json() -> None:
         assert out.finish_reason == "stop", out.text
         value = json.loads(out.text)
         assert isinstance(value, dict) and (p.json is None or {"name", "age"} <= value.keys()), out.text
+
+
+GBNF = """# REGEX's language, written as llama.cpp's GBNF (what vLLM's xgrammar backend takes)
+root ::= letters "-"
+  digit digit
+letters ::= [a-c]{2,4}
+digit ::= [0-9]
+"""
+
+
+def test_gbnf_grammars_are_rewritten_to_lark_and_followed(model: Path) -> None:
+    from ferryman.gbnf import to_lark
+
+    lark = to_lark(GBNF)
+    assert lark.splitlines() == [
+        'start: r_letters "-" r_digit r_digit',
+        "r_letters: /[a-c]/{2,4}",
+        "r_digit: /[0-9]/",
+    ]
+    assert to_lark(LARK) == LARK  # Lark stays as it is
+    assert to_lark('root ::= "a::=b" | [\\]x]') == 'start: "a::=b" | /[\\]x]/\n'
+    for bad, said in (
+        ('root ::= "open', "literal at character 9 is not closed"),
+        ("root ::= a {x}", "repeat"),
+    ):
+        with pytest.raises(ValueError, match=said):
+            to_lark(bad)
+    eng = Engine(str(model), calibrate=False)
+    for temperature in (0.0, 0.9):
+        sp = SamplingParams(
+            temperature=temperature, seed=3, max_tokens=12, structured_outputs=SO(grammar=GBNF)
+        )
+        for res in eng.generate(PROMPTS, sp):
+            assert re.fullmatch(REGEX, res.outputs[0].text), res.outputs[0].text

@@ -263,13 +263,8 @@ class Engine(FaultsMixin, OfflineMixin):
                 PreemptionEvent(**e, request_id=st.request_id if (st := reqs.get(e["req_id"])) else None)
                 for e in self.scheduler.drain_events()
             ]
-        added = out.added_req_ids  # a sequence scheduled for the first time takes a batch row
-        if len(added):
-            now, reqs = time.monotonic(), self._outputs.reqs
-            for r in added.tolist():
-                st = reqs.get(r)
-                if st is not None and st.metrics.first_scheduled_time is None:
-                    st.metrics.first_scheduled_time = now
+        if len(out.added_req_ids):  # sequences scheduled for the first time
+            self._outputs.first_scheduled(out, time.monotonic())
         self.peak_blocks_used = max(
             self.peak_blocks_used, self.kv.num_device_blocks - out.num_free_device_blocks
         )

@@ -34,6 +34,7 @@ class RequestState:
     per_row: bool = False  # each of its rows needs Python work, not just its finish (set by add)
     prompt_logprobs: list[Logprobs | None] | None = None  # by prompt position, as they come
     prompt_ranks: list[int | None] | None = None  # each prompt token's rank, with them
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache held when it was first scheduled
 
 
 class OutputProcessor:
@@ -51,6 +52,21 @@ class OutputProcessor:
             st.prompt_ranks = [None] * len(st.prompt_token_ids)
         self.reqs[core_id] = st
         self._num_per_row += st.per_row
+
+    def first_scheduled(self, plan: Any, now: float) -> None:
+        """A plan's sequences that take a batch row: a request scheduled for its first time gets
+        that time, and the prompt tokens its first chunk found computed (prefix-cache hits)."""
+        rows: dict[int, int] | None = None
+        for r in plan.added_req_ids.tolist():
+            st = self.reqs.get(r)
+            if st is None or st.metrics.first_scheduled_time is not None:
+                continue
+            st.metrics.first_scheduled_time = now
+            if rows is None:
+                rows = {rid: b for b, rid in reversed(list(enumerate(plan.req_ids.tolist())))}
+            b = rows.get(r)
+            if b is not None:
+                st.num_cached_tokens = int(plan.seq_lens[b]) - int(plan.qo_indptr[b + 1] - plan.qo_indptr[b])
 
     def add_prompt_logprobs(self, entries: list[tuple[int, int, Logprobs, int]]) -> None:
         """(core id, prompt position, logprobs, rank) of prompt tokens a step computed (a
@@ -151,6 +167,7 @@ class OutputProcessor:
                     st.metrics,
                     st.prompt_logprobs,
                     prompt_logprob_ranks=st.prompt_ranks,
+                    num_cached_tokens=st.num_cached_tokens,
                 )
             )
         return results
@@ -179,6 +196,7 @@ class OutputProcessor:
             st.prompt_logprobs,
             message,
             st.prompt_ranks,
+            st.num_cached_tokens,
         )
 
 

@@ -51,6 +51,8 @@ class RequestOutput:
     error: str | None = None
     # with prompt_logprobs: each prompt token's rank in the vocabulary (1: the most likely; None first)
     prompt_logprob_ranks: list[int | None] | None = None
+    # vLLM's: the prompt tokens found in the prefix cache (not computed) when it was first scheduled
+    num_cached_tokens: int = 0
 
 
 @dataclass(slots=True, frozen=True)

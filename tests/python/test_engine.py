@@ -384,3 +384,14 @@ def test_a_dropped_engine_frees_its_model_without_the_garbage_collector(
         assert model() is None and kv() is None
     finally:
         gc.enable()
+
+
+def test_num_cached_tokens_counts_the_prefix_cache_hits(models: dict[str, Path]) -> None:
+    eng = Engine(str(models["llama"]), block_size=4, num_device_blocks=64, calibrate=False)
+    prompt = list(range(3, 22))  # 19 tokens: 4 full blocks
+    first = eng.generate([prompt], GREEDY)[0]
+    again = eng.generate([prompt, [*prompt[:9], 40, 41]], GREEDY)
+    assert first.num_cached_tokens == 0
+    # the whole prompt's full blocks but the last token's, which is computed for its logits
+    assert [o.num_cached_tokens for o in again] == [16, 8]
+    assert again[0].outputs[0].token_ids == first.outputs[0].token_ids

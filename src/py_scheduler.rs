@@ -42,24 +42,36 @@ fn token_of(req_id: u64, t: i64) -> PyResult<u32> {
     }
 }
 
-/// Sampled ids given as anything but a contiguous int32 array: integers only (a float array or
-/// a float in a list is refused, not truncated), each within int32 (not wrapped).
+/// Sampled ids given as anything but a contiguous int32 array (another array, a list, a torch
+/// tensor): through `numpy.asarray`, integers only (floats are refused, not truncated), each
+/// within int32 (not wrapped); an integer too large for numpy is refused too.
 fn token_ids(ids: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
-    let wide: Vec<i64> = match ids.getattr("dtype").and_then(|d| d.getattr("kind")) {
-        Ok(kind) => {
-            let kind: String = kind.extract()?;
-            if kind != "i" && kind != "u" {
-                return Err(InvalidRequestError::new_err(format!(
-                    "sampled token ids must be integers, got dtype kind {kind:?}"
-                )));
-            }
-            ids.extract::<PyArrayLike1<'_, i64, AllowTypeChange>>()?.as_array().to_vec()
+    let py = ids.py();
+    let arr = py.import("numpy")?.call_method1("asarray", (ids,)).map_err(|e| {
+        if e.is_instance_of::<pyo3::exceptions::PyOverflowError>(py) {
+            InvalidRequestError::new_err(format!("sampled token ids out of range: {e}"))
+        } else {
+            e
         }
-        // a sequence: each item must itself be an integer (pyo3 refuses a float with TypeError)
-        Err(_) => ids.extract()?,
-    };
-    wide.into_iter()
-        .map(|t| {
+    })?;
+    if arr.getattr("size")?.extract::<usize>()? == 0 {
+        return Ok(Vec::new()); // numpy makes [] a float array: no ids, whatever the dtype
+    }
+    let kind: String = arr.getattr("dtype")?.getattr("kind")?.extract()?;
+    if kind == "O" {
+        return Err(InvalidRequestError::new_err(
+            "sampled token ids out of range, or not numbers (numpy holds them as objects)",
+        ));
+    }
+    if kind != "i" && kind != "u" {
+        return Err(InvalidRequestError::new_err(format!(
+            "sampled token ids must be integers, got dtype kind {kind:?}"
+        )));
+    }
+    let wide = arr.extract::<PyArrayLike1<'_, i64, AllowTypeChange>>()?;
+    wide.as_array()
+        .iter()
+        .map(|&t| {
             i32::try_from(t).map_err(|_| InvalidRequestError::new_err(format!("sampled token id {t} out of range")))
         })
         .collect()

@@ -157,9 +157,9 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=a.base_url, timeout=a.timeout, limits=limits) as client:
         try:
             model = a.model or (await client.get("/v1/models")).json()["data"][0]["id"]
+            before = preemptions((await client.get("/metrics")).text)
         except httpx.TransportError as e:  # said in one line (an OSError: exit status 1)
             raise ConnectionError(f"no server answers at {a.base_url}: {e!r}") from None
-        before = preemptions((await client.get("/metrics")).text)
         sem = asyncio.Semaphore(a.max_concurrency) if a.max_concurrency else None
         bar = None
         if not a.no_progress:

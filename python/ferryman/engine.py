@@ -35,7 +35,7 @@ from ferryman.engine_faults import MAX_STEP_FAILURES, EngineDeadError, FaultsMix
 from ferryman.engine_offline import OfflineMixin, Prompt
 from ferryman.engine_setup import build_parts
 from ferryman.output_processor import OutputProcessor, RequestState
-from ferryman.outputs import PreemptionEvent, RequestMetrics, StepResult, StepStats
+from ferryman.outputs import PreemptionEvent, RequestMetrics, RequestOutput, StepResult, StepStats
 from ferryman.sampling_params import SamplingParams
 from ferryman.tokenizer import prompt_ids
 from ferryman.worker.sampling_table import SamplingTable
@@ -79,6 +79,7 @@ class Engine(FaultsMixin, OfflineMixin):
         self._num_added = 0
         self.peak_blocks_used = 0
         self._events: dict[int, list[PreemptionEvent]] = {}  # planned steps' preemptions, by step
+        self._held: list[RequestOutput] = []  # add_request's outputs of generate()'s steps
         self._inflight: _InFlight | None = None
         faults = parse_fault_steps(os.environ.get("FERRYMAN_TEST_FAULT_STEPS"))  # test-only
         self._worker = StepWorker(
@@ -202,7 +203,10 @@ class Engine(FaultsMixin, OfflineMixin):
         if self.dead is not None:
             raise EngineDeadError(f"engine stopped: {self.dead!r}") from self.dead
         try:
-            return self._step()
+            res = self._step()
+            if self._held:  # the outputs steps inside a generate() made for add_request's requests
+                res.outputs[:0], self._held = self._held, []
+            return res
         except Exception as e:
             self.dead = e
             raise

@@ -24,6 +24,7 @@ class OfflineMixin:
         _inflight: Any
         _num_added: int
         _core_ids: dict[str, int]
+        _held: list[RequestOutput]
 
         def add_request(
             self,
@@ -52,14 +53,9 @@ class OfflineMixin:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in input order. A prompt or
-        parameter set that is refused refuses the whole call: nothing of it stays queued. It runs
-        the engine alone: with requests of ``add_request`` unfinished it raises
-        ``InvalidRequestError`` (their outputs would be stepped past and lost)."""
-        if self._core_ids:
-            raise InvalidRequestError(
-                f"generate() needs the engine to itself, and {len(self._core_ids)} request(s) added with "
-                "add_request are unfinished: step() them to the end, or abort them, first"
-            )
+        parameter set that is refused refuses the whole call: nothing of it stays queued.
+        Requests added with ``add_request`` advance too; their outputs of these steps come with
+        the next ``step()``'s, before its own."""
         plist: list[Prompt]
         if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], Integral)):
             plist = [cast(Prompt, prompts)]
@@ -83,14 +79,23 @@ class OfflineMixin:
         final: dict[str, RequestOutput] = {}
         wanted = set(ids)
         bar = _progress(len(plist)) if use_tqdm else None
-        while len(final) < len(ids) and self.has_unfinished_requests():
-            for ro in self.step().outputs:
-                if ro.finished and ro.request_id in wanted:
-                    final[ro.request_id] = ro
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            while len(final) < len(ids) and self.has_unfinished_requests():
+                for ro in self.step().outputs:
+                    if ro.request_id not in wanted:
+                        self._held.append(ro)  # another caller's: handed out by the next step()
+                    elif ro.finished:
+                        final[ro.request_id] = ro
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:  # interrupted (Ctrl-C) or failed: none of its requests stays behind
+            for rid in ids:
+                if rid not in final:
+                    self.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         while self._inflight is not None and not self.scheduler.has_unfinished_requests():
             self.step()  # a step planned before the last stop: only dropped samples are left
         return [final[rid] for rid in ids]

@@ -16,7 +16,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     # with SamplingParams.logprobs=N: per token, {token_id: logprob} for the sampled token and the
-    # model's top N (log-softmax of the raw logits)
+    # model's top N (log-softmax of the raw logits; under a grammar, of those its mask leaves)
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
     # vLLM's: what stopped it with finish_reason "stop": the stop string matched, or the stop
@@ -124,7 +124,9 @@ class PreemptionEvent:
 @dataclass(slots=True)
 class StepResult:
     """One ``Engine.step()``: the outputs to hand out (per each request's ``output_kind``), the
-    step's statistics, and the preemptions it made."""
+    step's statistics, and the preemptions it made. With async scheduling, when the step planned
+    after it fails, the result also holds that step's failed requests and its preemptions (whose
+    ``step`` is that step's)."""
 
     outputs: list[RequestOutput]
     stats: StepStats | None = None  # always set by Engine.step(); None only where built by hand

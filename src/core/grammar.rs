@@ -40,11 +40,21 @@ pub struct GrammarSpec {
 /// An object schema that lists `properties` and says nothing of any others allows no others, in
 /// `schema` and every schema under it (vLLM's default, xgrammar's strict mode, and what OpenAI's
 /// `strict: true` asks); `"additionalProperties": true` keeps an object open. The members of an
-/// `allOf` are left as written: closing each would refuse the properties of the others.
+/// `allOf` are left as written (closing each would refuse the properties of the others), and a
+/// schema whose `anyOf` / `oneOf` / `allOf` members name properties stays open with them.
 fn close_objects(schema: &mut Value) {
+    close(schema, true)
+}
+
+/// `close_objects`, closing `schema` itself only if `here`.
+fn close(schema: &mut Value, here: bool) {
     let Value::Object(m) = schema else { return };
     let open = ["additionalProperties", "unevaluatedProperties", "patternProperties"];
-    if m.contains_key("properties") && !open.iter().any(|k| m.contains_key(*k)) {
+    // properties its anyOf / oneOf / allOf members name are its own too: it and they stay open
+    let combined = ["anyOf", "oneOf", "allOf"]
+        .iter()
+        .any(|k| m.get(*k).and_then(Value::as_array).is_some_and(|l| l.iter().any(|s| s.get("properties").is_some())));
+    if here && m.contains_key("properties") && !combined && !open.iter().any(|k| m.contains_key(*k)) {
         m.insert("additionalProperties".into(), Value::Bool(false));
     }
     for (keyword, sub) in m.iter_mut() {
@@ -53,9 +63,8 @@ fn close_objects(schema: &mut Value) {
                 "properties" | "patternProperties" | "$defs" | "definitions" | "dependentSchemas",
                 Value::Object(named),
             ) => named.values_mut().for_each(close_objects),
-            ("anyOf" | "oneOf" | "prefixItems" | "items", Value::Array(list)) => {
-                list.iter_mut().for_each(close_objects)
-            }
+            ("anyOf" | "oneOf", Value::Array(list)) => list.iter_mut().for_each(|s| close(s, !combined)),
+            ("prefixItems" | "items", Value::Array(list)) => list.iter_mut().for_each(close_objects),
             (
                 "items" | "additionalProperties" | "additionalItems" | "not" | "if" | "then" | "else" | "contains",
                 sub,
@@ -280,6 +289,9 @@ mod tests {
         let open = r#"{"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": true}"#;
         assert!(accepts(open, r#"{"a":1,"b":2}"#));
         assert!(accepts(r#"{"type": "object"}"#, r#"{"b":2}"#), "no properties listed: open");
+        let mixed =
+            r#"{"properties": {"a": {"type": "integer"}}, "anyOf": [{"properties": {"b": {"type": "integer"}}}]}"#;
+        assert!(accepts(mixed, r#"{"a":1,"b":2}"#), "b is named by a member");
     }
 
     #[test]

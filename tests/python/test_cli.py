@@ -231,6 +231,10 @@ def test_bad_files_and_values_are_said_without_a_traceback(
     trace = tmp_path / "refused.jsonl"
     assert main([*sim, "--gpu-memory-utilization", "1e-9", "--trace", str(trace)]) == 2
     assert "leaves no KV memory" in capsys.readouterr().err and not trace.exists()  # no empty trace left
+    kept = tmp_path / "kept.jsonl"
+    kept.write_text("")  # a file that was there before the run is the user's: left as it is
+    assert main([*sim, "--gpu-memory-utilization", "1e-9", "--trace", str(kept)]) == 2
+    assert kept.exists() and "leaves no KV memory" in capsys.readouterr().err
     for argv, said in ((["--bogus"], "unrecognized arguments: --bogus"), ([], "a command is required")):
         with pytest.raises(SystemExit) as e:
             main(argv)

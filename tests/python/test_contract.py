@@ -200,8 +200,10 @@ def test_duplicate_ids_and_protocol_misuse() -> None:
         s.update(np.array([7.9]))  # refused, not truncated
     with pytest.raises(InvalidRequestError, match="2147483653 out of range"):
         s.update(np.array([2**31 + 5], np.int64))  # refused, not wrapped
-    with pytest.raises(TypeError, match="'float' object cannot be interpreted"):
+    with pytest.raises(InvalidRequestError, match="must be integers"):
         s.update([0.5])  # a list's floats too
+    with pytest.raises(InvalidRequestError, match="out of range"):
+        s.update([2**70])  # an integer numpy cannot hold
     for bad in (2**70, 2**63, -1):  # out of range: refused by name, not an OverflowError
         with pytest.raises(InvalidRequestError, match=r"req_id must be an integer in \[0, 2\*\*63\)"):
             s.add_request(bad, [4], RequestParams(2))

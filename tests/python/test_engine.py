@@ -17,6 +17,7 @@ from tiny_models import build, dense_causal
 from ferryman import InvalidRequestError
 from ferryman.engine import Engine
 from ferryman.models import cpu_linear
+from ferryman.outputs import StepResult
 from ferryman.sampling_params import SamplingParams
 
 PROMPTS = [[5, 9, 3], list(range(10, 40)), [7] * 17, [1, 2, 3, 4, 5, 6, 7, 8]]
@@ -184,10 +185,26 @@ def test_a_refused_request_or_call_leaves_nothing_queued(models: dict[str, Path]
     with pytest.raises(ValueError, match="2 prompts but 3"):
         eng.generate(PROMPTS[:2], [GREEDY] * 3)
     assert not eng.has_unfinished_requests() and eng.stats()["num_waiting"] == 0
-    eng.add_request("mine", PROMPTS[2], GREEDY)  # generate() would step past its output: refused
-    with pytest.raises(InvalidRequestError, match=r"1 request\(s\) added with add_request are unfinished"):
+    # a request of add_request's advances inside generate(); its outputs come with the next step()
+    eng.add_request("mine", PROMPTS[2], dataclasses.replace(GREEDY, output_kind="final_only"))
+    longer = eng.generate(PROMPTS[:1], dataclasses.replace(GREEDY, max_tokens=40))  # outlives "mine"
+    assert len(longer) == 1 and len(longer[0].outputs[0].token_ids) == 40
+    mine = [o for o in eng.step().outputs if o.request_id == "mine"]
+    assert len(mine) == 1 and mine[0].finished and len(mine[0].outputs[0].token_ids) == 12
+
+    real, calls = eng.step, []
+
+    def step() -> StepResult:  # Ctrl-C between two steps of a generate()
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real()
+
+    eng.step = step  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
         eng.generate(PROMPTS[:2], GREEDY)
-    assert eng.abort_request("mine")
+    del eng.step
+    assert not eng.has_unfinished_requests()  # its requests were aborted: the next call runs
     out = eng.generate(PROMPTS[:2], GREEDY)
     assert [len(o.outputs[0].token_ids) for o in out] == [12, 12]
     assert eng.generate(np.array(PROMPTS[0]), GREEDY)[0].outputs[0].token_ids == out[0].outputs[0].token_ids

@@ -97,7 +97,7 @@ MODEL_LIMITS = re.compile(
     r"|^best_of is not supported \(only best_of == n|^top_logprobs needs logprobs: true$"
     r"|^stream_options is only allowed with stream: true$|^continue_final_message"
     # what the model's chat template refuses (chat_template_kwargs reach it): the template's rules
-    r"|^chat template: "
+    r"|^chat template: |^echo is not supported with truncate_prompt_tokens$"
 )
 
 

@@ -95,6 +95,7 @@ def test_choice_matches_the_reference_loop(model: Path) -> None:
         out = eng.generate([prompt], sp)[0].outputs[0]
         assert (out.text, out.finish_reason) == (text, "stop"), prompt
         assert out.logprobs is not None
+        assert len(out.logprobs) == len(out.token_ids) and len(out.logprobs) in (len(want), len(want) - 1)
         for got, exp in zip(out.logprobs, want, strict=False):
             assert set(got) <= set(exp), (got, exp)  # only tokens the grammar allows
             assert all(abs(v - exp[k]) < 1e-4 for k, v in got.items()), (got, exp)

@@ -114,13 +114,14 @@ def run(a: argparse.Namespace) -> int:
         if a.plot:
             print(plot(rows, knob, a.plot, f"{g.name}, {shape.name}: sweep of {knob}"))
         return 0
+    new_file = bool(a.trace) and not os.path.exists(a.trace)
     trace = TraceWriter(a.trace) if a.trace else None
     try:
         report = simulate(g, shape, work, cfg, trace)
     except BaseException:
-        if trace is not None:  # a run refused before its first step leaves no empty trace behind
+        if trace is not None:  # a run refused before its first step leaves no empty file it made
             trace.close()
-            if os.path.getsize(a.trace) == 0:
+            if new_file and os.path.isfile(a.trace) and os.path.getsize(a.trace) == 0:
                 os.unlink(a.trace)
         raise
     if trace is not None:

@@ -104,6 +104,7 @@ from ferryman.server.schema_types import (
     TopLogprobs,
     Unsupported,
     _json_false,
+    _json_true,
 )
 from ferryman.server.schema_types import Body as _Body
 from ferryman.server.structured import StructuredFields
@@ -145,6 +146,10 @@ class _Sampling(StructuredFields):
     # vLLM's fields that would change the answer and are not implemented: refused by name
     allowed_token_ids: Unsupported = None
     bad_words: Unsupported = None
+    prompt_embeds: Unsupported = None
+    # special tokens are always left out of the text: only the default is served
+    skip_special_tokens: Annotated[Literal[True], BeforeValidator(_json_true)] | None = None
+    spaces_between_special_tokens: Annotated[Literal[True], BeforeValidator(_json_true)] | None = None
     use_beam_search: Annotated[Literal[False], BeforeValidator(_json_false)] | None = None
 
     def _params(
@@ -228,6 +233,8 @@ class CompletionRequest(_Sampling):
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens must be >= 1 (0 only with echo)")
         _check_best_of(self.best_of, self.n)
+        if self.echo and self.truncate_prompt_tokens is not None:  # which prompt would it echo?
+            raise ValueError("echo is not supported with truncate_prompt_tokens")
         plp = self.prompt_logprobs
         if self.echo and (self.logprobs is not None or self.max_tokens == 0):  # echo needs them
             plp = max(self.logprobs or 0, plp or 0)

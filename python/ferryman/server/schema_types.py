@@ -88,6 +88,13 @@ def _json_false(v: Any) -> Any:
     return v
 
 
+def _json_true(v: Any) -> Any:
+    """``true`` and nothing else (a ``Literal[True]`` alone takes ``1``)."""
+    if v is not True:
+        raise PydanticCustomError("literal_error", "Input should be True")
+    return v
+
+
 def _token_id(v: int) -> int:
     if not 0 <= v <= I32_MAX:
         raise PydanticCustomError("token_id", "token id {v} out of range [0, 2**31)", {"v": v})

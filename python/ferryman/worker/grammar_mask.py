@@ -20,7 +20,8 @@ def apply_grammar(
     are forbidden). Added, not written: a NaN or +inf logit stays non-finite, so the fault check
     still sees it. A row left with no token (``min_tokens`` holding back the only one the grammar
     allows: its end) takes the mask over ``fallback`` (the logits before the adjustments) instead:
-    the grammar wins. A new tensor (the raw logits stay for logprobs); no wait for the device."""
+    the grammar wins. A new tensor (logprobs mask the raw logits apart, without the adjustments);
+    no wait for the device."""
     dev = logits.device
     bias = grammar_bias(masks, logits.shape[1], dev).to(logits.dtype)
     rows = to_device(samples.astype(np.int64), dev)

@@ -62,13 +62,15 @@ def _await_workers(store: Any, n: int, dead: Callable[[], list[str]], deadline: 
     while (joined := int(store.add(JOINED, 0))) < n:
         stopped = dead()
         if stopped:
-            raise RankFailedError(
-                f"a tensor-parallel worker stopped before joining ({', '.join(stopped)}); a script that "
-                'starts a tensor-parallel engine needs an `if __name__ == "__main__":` guard, since each '
-                "spawned worker imports it again"
-            )
+            said = f"a tensor-parallel worker stopped before joining ({', '.join(stopped)})"
+            if any(name.startswith("pid ") for name in stopped):  # the mp backend's spawned processes
+                said += (
+                    '; a script that starts a tensor-parallel engine needs an `if __name__ == "__main__":`'
+                )
+                said += " guard, since each spawned worker imports it again"
+            raise RankFailedError(said)
         if time.monotonic() > deadline:
             raise RankFailedError(
-                f"{joined} of {n} tensor-parallel workers joined within {RENDEZVOUS_TIMEOUT_S:g} s"
+                f"{joined} of {n} tensor-parallel workers joined within the rendezvous' wait"
             )
         time.sleep(0.05)

@@ -49,7 +49,7 @@ class Metrics:
         self.swapped_out = Counter(p + "blocks_swapped_out", "KV blocks copied device->host", registry=r)
         self.swapped_in = Counter(p + "blocks_swapped_in", "KV blocks copied host->device", registry=r)
         self.swap_bytes = Counter(p + "swap_bytes", "KV bytes moved by swap", ["direction"], registry=r)
-        # why blocks swapped out may exceed those swapped in: the core's counters, as stats() has them
+        # one reason blocks swapped out may exceed those swapped in: the core's counters, from stats()
         self._core_counters = {
             "num_swap_prefix_lost": Counter(
                 p + "swap_prefix_lost",

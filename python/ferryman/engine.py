@@ -108,8 +108,9 @@ class Engine(FaultsMixin, OfflineMixin):
         prompt_token_ids: list[int] | None = None,
     ) -> None:
         """Queues a request; raises ``InvalidRequestError`` (a ``ValueError``) if it can never run.
-        ``arrival_time`` (``time.monotonic()``) defaults to now. ``prompt_token_ids``: a text
-        prompt's ids as ``tokenize`` gave them (the server tokenizes off the engine's thread)."""
+        ``arrival_time`` (``time.monotonic()``) defaults to now. A text prompt is tokenized with
+        the tokenizer's special tokens (``tokenize``), unless ``prompt_token_ids`` gives its ids
+        (the server tokenizes off the engine's thread; a rendered chat, without them)."""
         params = params or SamplingParams()
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if not isinstance(request_id, str):
@@ -289,9 +290,11 @@ class Engine(FaultsMixin, OfflineMixin):
         events = self._events.pop(out.step, [])
         return StepResult(outputs + failed, StepStats.of(out, res.num_generated), events)
 
-    def tokenize(self, prompt: Prompt, ids: list[int] | None = None) -> tuple[str | None, list[int]]:
+    def tokenize(
+        self, prompt: Prompt, ids: list[int] | None = None, add_special_tokens: bool = True
+    ) -> tuple[str | None, list[int]]:
         """A prompt's text (None for token ids) and ids, as ``add_request`` takes them
         (``prompt_ids``; ``ids``: a text's ids tokenized before); safe to call from another thread."""
         if isinstance(prompt, str) and ids is not None:
             return prompt, ids
-        return prompt_ids(self.tokenizer, self.model.cfg.vocab_size, prompt)
+        return prompt_ids(self.tokenizer, self.model.cfg.vocab_size, prompt, add_special_tokens)

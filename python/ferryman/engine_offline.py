@@ -32,7 +32,11 @@ class OfflineMixin:
             prompt: Prompt,
             params: SamplingParams | None = None,
             arrival_time: float | None = None,
+            prompt_token_ids: list[int] | None = None,
         ) -> None: ...
+        def tokenize(
+            self, prompt: Prompt, ids: list[int] | None = None, add_special_tokens: bool = True
+        ) -> tuple[str | None, list[int]]: ...
         def step(self) -> StepResult: ...
         def abort_request(self, request_id: str) -> bool: ...
         def has_unfinished_requests(self) -> bool: ...
@@ -55,7 +59,8 @@ class OfflineMixin:
         """Runs every prompt to completion; outputs come back in input order. A prompt or
         parameter set that is refused refuses the whole call: nothing of it stays queued.
         Requests added with ``add_request`` advance too; their outputs of these steps come with
-        the next ``step()``'s, before its own."""
+        the next ``step()``'s, before its own. A text prompt gets the tokenizer's special tokens
+        (a BOS where its file adds one), as in vLLM."""
         plist: list[Prompt]
         if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], Integral)):
             plist = [cast(Prompt, prompts)]
@@ -66,11 +71,22 @@ class OfflineMixin:
         params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(plist)
         if len(params) != len(plist):
             raise ValueError(f"{len(plist)} prompts but {len(params)} sampling parameter sets")
+        return self._run(plist, [None] * len(plist), params, use_tqdm)
+
+    def _run(
+        self,
+        plist: list[Prompt],
+        token_ids: list[list[int] | None],
+        params: Sequence[SamplingParams],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        """``generate()`` of prompts with their ids where given (``add_request``'s ``prompt_token_ids``)."""
         ids = [f"generate-{self._num_added + i}" for i in range(len(plist))]
         added: list[str] = []
         try:
-            for rid, p, sp in zip(ids, plist, params, strict=True):
-                self.add_request(rid, p, dataclasses.replace(sp, output_kind="final_only"))
+            for rid, p, tids, sp in zip(ids, plist, token_ids, params, strict=True):
+                final_only = dataclasses.replace(sp, output_kind="final_only")
+                self.add_request(rid, p, final_only, prompt_token_ids=tids)
                 added.append(rid)
         except BaseException:
             for rid in added:
@@ -106,14 +122,16 @@ class OfflineMixin:
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = False,
     ) -> RequestOutput:
-        """Applies the model's chat template to ``messages`` and generates the reply."""
+        """Applies the model's chat template to ``messages`` and generates the reply (the rendered
+        text is tokenized without the tokenizer's special tokens: the template has its own)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model has no chat template")
         try:
             prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # the template refuses the conversation (a message without content, ...)
             raise InvalidRequestError(f"chat template: {e}") from None
-        return self.generate([prompt], sampling_params, use_tqdm)[0]
+        ids = self.tokenize(prompt, add_special_tokens=False)[1]
+        return self._run([prompt], [ids], [sampling_params or self.default_sampling_params()], use_tqdm)[0]
 
 
 def _progress(total: int) -> Any:

@@ -170,15 +170,19 @@ def check_text(text: Any, what: str = "prompt") -> None:
         raise InvalidRequestError(msg) from None
 
 
-def prompt_ids(tokenizer: Any, vocab_size: int, prompt: str | Iterable[int]) -> tuple[str | None, list[int]]:
-    """A prompt's text (None for token ids) and ids: text through ``tokenizer`` (without special
-    tokens), ids checked against the vocabulary. ``InvalidRequestError`` for text without a
-    tokenizer, text that is not valid Unicode, or ids outside the vocabulary."""
+def prompt_ids(
+    tokenizer: Any, vocab_size: int, prompt: str | Iterable[int], add_special_tokens: bool = True
+) -> tuple[str | None, list[int]]:
+    """A prompt's text (None for token ids) and ids: text through ``tokenizer``, with its special
+    tokens (a BOS where its post-processor adds one, as vLLM and transformers encode a prompt)
+    unless ``add_special_tokens`` is false (a rendered chat, whose template has its own); ids
+    checked against the vocabulary. ``InvalidRequestError`` for text without a tokenizer, text
+    that is not valid Unicode, or ids outside the vocabulary."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: pass prompts as token-id lists")
         check_text(prompt)
-        return prompt, list(tokenizer.encode(prompt, add_special_tokens=False))
+        return prompt, list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
     ids = [int(t) for t in prompt]
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:

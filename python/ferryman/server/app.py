@@ -79,14 +79,14 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
             )
 
     async def submit(
-        prefix: str, prompts: list[str | list[int]], params: SamplingParams
+        prefix: str, prompts: list[str | list[int]], params: SamplingParams, special: bool
     ) -> tuple[str, list[AsyncIterator[Update]]]:
         rid = f"{prefix}-{uuid.uuid4().hex}"
         arrival = time.monotonic()
         streams: list[AsyncIterator[Update]] = []
         try:
             for i, p in enumerate(prompts):
-                streams.append(await engine.add(f"{rid}-{i}", p, params, arrival))
+                streams.append(await engine.add(f"{rid}-{i}", p, params, arrival, special))
         except EngineDeadError as e:
             await handling.close(streams)
             raise ApiError(503, str(e), "server_error") from None
@@ -131,7 +131,7 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
         prompts = body.prompts()
         if not prompts:
             raise ApiError(400, "prompt must not be empty", "invalid_request_error", "prompt")
-        rid, streams = await submit("cmpl", prompts, params)
+        rid, streams = await submit("cmpl", prompts, params, body.add_special_tokens)
         n, created = params.n, int(time.time())  # one creation time for every chunk of a stream
         name = responses.token_namer(token_str, body.return_tokens_as_token_ids)
 

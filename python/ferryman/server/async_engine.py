@@ -111,10 +111,11 @@ class AsyncEngine:
         return self.max_waiting is not None and self.num_waiting() >= self.max_waiting
 
     async def add(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, arrival_time: float | None = None
+        self, request_id: str, prompt: Prompt, params: SamplingParams, arrival: float, special: bool = True
     ) -> AsyncIterator[Update]:
         """Submits a request; raises what ``Engine.add_request`` raises (before anything streams),
-        then returns its updates. Closing the iterator early aborts the request."""
+        then returns its updates. Closing the iterator early aborts the request. A text prompt is
+        tokenized with the tokenizer's special tokens unless ``special`` is false."""
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
         if self.draining:
@@ -124,7 +125,7 @@ class AsyncEngine:
         ids = None
         try:
             if isinstance(prompt, str) and self.engine.tokenizer is not None:
-                ids = (await self.offload(lambda: self.engine.tokenize(prompt)))[1]
+                ids = (await self.offload(lambda: self.engine.tokenize(prompt, None, special)))[1]
         except BaseException:
             with self._lock:
                 self._pending_adds -= 1
@@ -138,7 +139,7 @@ class AsyncEngine:
                 prompt,
                 ids,
                 replace(params, output_kind="delta"),
-                arrival_time or time.monotonic(),
+                arrival,
                 _Stream(loop, q, [0] * params.n, [None] * params.n),
             )
         )

@@ -70,6 +70,8 @@ class ChatPrompt(Body):
     # vLLM's: extra keywords the chat template sees (Qwen3's enable_thinking, ...)
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: Unsupported = None  # vLLM's, a template sent in the request: not served
+    # vLLM's: the tokenizer's own BOS/EOS around the rendered text (the template has its own)
+    add_special_tokens: bool = False
 
     def effective_tool_choice(self) -> ToolChoice:
         return tools.choose(self.tools, self.tool_choice)

@@ -19,8 +19,9 @@ from ferryman.server import protocol as api
 from ferryman.server.async_engine import Delta, Update
 from ferryman.server.errors import generation
 
+# submit(id prefix, prompts, params, add_special_tokens)
 Submit = Callable[
-    [str, list[str | list[int]], SamplingParams], Awaitable[tuple[str, list[AsyncIterator[Update]]]]
+    [str, list[str | list[int]], SamplingParams, bool], Awaitable[tuple[str, list[AsyncIterator[Update]]]]
 ]
 
 
@@ -56,7 +57,7 @@ def add_chat_route(
         params = handling.params(lambda: body.sampling_params(defaults))
         choice = body.effective_tool_choice()
         prompt = body.render(tokenizer)
-        rid, streams = await submit("chatcmpl", [prompt], params)
+        rid, streams = await submit("chatcmpl", [prompt], params, body.add_special_tokens)
         created = int(time.time())  # one creation time for every chunk of a stream
         name = responses.token_namer(token_str, body.return_tokens_as_token_ids)
         want_lp, top_n = params.logprobs is not None, params.logprobs or 0

@@ -212,6 +212,8 @@ class CompletionRequest(_Sampling):
     # 0 only with echo (the prompt's logprobs, nothing generated)
     max_tokens: Annotated[int, Ge(0), Le(JSON_INT_MAX), JSON_INT] | None = 16
     logprobs: TopLogprobs | None = None
+    # vLLM's: a text prompt gets the tokenizer's special tokens (a BOS where its file adds one)
+    add_special_tokens: bool = True
     # the prompt before the completion in each choice (with logprobs: the prompt tokens' too,
     # the first null, as OpenAI answers)
     echo: bool = False

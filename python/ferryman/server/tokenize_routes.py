@@ -64,7 +64,7 @@ def add_tokenizer_routes(
         """vLLM's: the ids of a text prompt, or of chat messages through the model's template."""
         tok = need_tokenizer(body.model)
         if isinstance(body, TokenizeChatRequest):
-            text, special = body.render(tok), False
+            text, special = body.render(tok), body.add_special_tokens
         else:
             text, special = body.prompt, body.add_special_tokens
         try:

@@ -1,0 +1,100 @@
+"""A text prompt's special tokens, as vLLM and transformers encode it: a plain prompt gets the
+tokenizer's own (a BOS where its post-processor adds one: Llama-2 / Llama-3 / Mistral style),
+a rendered chat does not (its template writes the BOS). Checked on a tiny Llama with a
+SentencePiece-style tokenizer that adds a BOS, against transformers: the prompt ids and the greedy
+output, offline (``generate``, ``chat``) and through the server (completions, chat, ``/tokenize``,
+and ``add_special_tokens`` both ways)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from test_tokenizer import LLAMA2_TEMPLATE
+from tiny_models import build, sentencepiece_tokenizer
+
+from ferryman import Engine, SamplingParams
+from ferryman.server.app import build_app
+from ferryman.server.async_engine import AsyncEngine
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+CHAT = [{"role": "user", "content": "hello the world"}]
+
+
+@pytest.fixture(scope="module")
+def bos_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    tok = sentencepiece_tokenizer(add_bos_token=True)
+    tok.chat_template = LLAMA2_TEMPLATE
+    path = build("llama", tmp_path_factory.mktemp("bos"), vocab_size=len(tok))
+    tok.save_pretrained(str(path))
+    return path, tok
+
+
+def hf_greedy(path: Path, ids: list[int], n: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return [int(t) for t in out[0, len(ids) :]]
+
+
+@pytest.fixture(scope="module")
+def engine(bos_model: tuple[Path, Any]) -> Engine:
+    return Engine(str(bos_model[0]), block_size=4, num_device_blocks=64, calibrate=False)
+
+
+def test_a_text_prompt_gets_the_bos_and_the_output_of_transformers(
+    bos_model: tuple[Path, Any], engine: Engine
+) -> None:
+    path, tok = bos_model
+    want = tok("hello the world").input_ids
+    assert want[0] == tok.bos_token_id and want.count(tok.bos_token_id) == 1
+    out = engine.generate("hello the world", GREEDY)[0]
+    assert out.prompt_token_ids == want
+    assert out.outputs[0].token_ids == hf_greedy(path, want, 8)
+    # token ids are taken as given, with no BOS added
+    assert engine.generate([want[1:]], GREEDY)[0].prompt_token_ids == want[1:]
+
+
+def test_a_chat_has_its_templates_bos_only(bos_model: tuple[Path, Any], engine: Engine) -> None:
+    path, tok = bos_model
+    want = tok.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=False)
+    assert want[0] == tok.bos_token_id and want.count(tok.bos_token_id) == 1
+    out = engine.chat(CHAT, GREEDY)
+    assert out.prompt_token_ids == want
+    assert out.prompt == tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    assert out.outputs[0].token_ids == hf_greedy(path, want, 8)
+
+
+@pytest.fixture(scope="module")
+def client(engine: Engine) -> Iterator[TestClient]:
+    with TestClient(build_app(AsyncEngine(engine), "bos")) as c:
+        yield c
+
+
+def test_the_server_counts_the_same_tokens(bos_model: tuple[Path, Any], client: TestClient) -> None:
+    _, tok = bos_model
+    text = "hello the world"
+    body = {"prompt": text, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    with_bos = client.post("/v1/completions", json=body).json()
+    without = client.post("/v1/completions", json=body | {"add_special_tokens": False}).json()
+    assert with_bos["usage"]["prompt_tokens"] == len(tok(text).input_ids)
+    assert without["usage"]["prompt_tokens"] == len(tok(text, add_special_tokens=False).input_ids)
+    assert with_bos["usage"]["prompt_tokens"] == without["usage"]["prompt_tokens"] + 1
+    count = client.post("/tokenize", json={"prompt": text}).json()["count"]
+    assert count == with_bos["usage"]["prompt_tokens"]
+
+    chat = {"messages": CHAT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    plain = client.post("/v1/chat/completions", json=chat).json()
+    want = tok.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=False)
+    assert plain["usage"]["prompt_tokens"] == len(want)
+    assert client.post("/tokenize", json={"messages": CHAT}).json()["count"] == len(want)
+    doubled = client.post("/v1/chat/completions", json=chat | {"add_special_tokens": True}).json()
+    assert doubled["usage"]["prompt_tokens"] == len(want) + 1  # asked for: the tokenizer's BOS too
+    tokenized = client.post("/tokenize", json={"messages": CHAT, "add_special_tokens": True}).json()
+    assert tokenized["count"] == len(want) + 1

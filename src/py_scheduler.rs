@@ -174,6 +174,7 @@ impl PyScheduler {
             ("num_forks_aborted", c.num_forks_aborted),
             ("num_blocks_kept_on_swap", c.num_blocks_kept_on_swap),
             ("num_swap_prefix_lost", c.num_swap_prefix_lost),
+            ("num_blocks_swap_dropped", c.num_blocks_swap_dropped),
             ("scheduler_ns", c.scheduler_ns),
             ("num_grammar_masks", c.num_grammar_masks),
             ("grammar_mask_ns", c.grammar_mask_ns),

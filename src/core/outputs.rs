@@ -151,6 +151,10 @@ pub struct Counters {
     pub num_blocks_kept_on_swap: u64,
     /// Swapped requests whose device-kept prefix was evicted meanwhile: recomputed instead.
     pub num_swap_prefix_lost: u64,
+    /// Host blocks freed without being swapped back in: their request ended while swapped (its
+    /// last token was in flight when it was preempted, or it was aborted) or lost its kept
+    /// prefix. Blocks swapped out = swapped in + dropped + those swapped requests hold now.
+    pub num_blocks_swap_dropped: u64,
     /// Wall time spent inside `schedule()` and `update()`, in nanoseconds.
     pub scheduler_ns: u64,
     /// Grammar masks computed (one per constrained sample row, forks of one prompt share one),

@@ -267,7 +267,7 @@ impl Scheduler {
         }
         match r.status {
             RequestStatus::Running => _ = self.kv.free(idx),
-            RequestStatus::Swapped => self.kv.free_host(idx),
+            RequestStatus::Swapped => self.counters.num_blocks_swap_dropped += self.kv.free_host(idx) as u64,
             RequestStatus::Waiting => {}
         }
         self.queues.remove(idx, r.status, r.num_pending_forks as usize);

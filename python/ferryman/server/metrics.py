@@ -49,8 +49,13 @@ class Metrics:
         self.swapped_out = Counter(p + "blocks_swapped_out", "KV blocks copied device->host", registry=r)
         self.swapped_in = Counter(p + "blocks_swapped_in", "KV blocks copied host->device", registry=r)
         self.swap_bytes = Counter(p + "swap_bytes", "KV bytes moved by swap", ["direction"], registry=r)
-        # one reason blocks swapped out may exceed those swapped in: the core's counters, from stats()
+        # the core's counters (from stats()): blocks swapped out = in + dropped + those held on the host
         self._core_counters = {
+            "num_blocks_swap_dropped": Counter(
+                p + "swap_blocks_dropped",
+                "host blocks freed without a swap-in (the request ended while swapped, or lost its prefix)",
+                registry=r,
+            ),
             "num_swap_prefix_lost": Counter(
                 p + "swap_prefix_lost",
                 "swapped requests recomputed, not swapped in (their prefix kept on the device was evicted)",

@@ -71,13 +71,16 @@ impl KvCacheManager {
         Some(())
     }
 
-    /// Drops a swapped request's host blocks (abort while swapped).
-    pub fn free_host(&mut self, idx: ReqIdx) {
+    /// Drops a swapped request's host blocks (it ended while swapped, or it is recomputed
+    /// instead of swapped back in); returns how many.
+    pub fn free_host(&mut self, idx: ReqIdx) -> usize {
         let s = idx.get();
         for &h in &self.host_tables[s] {
             self.host.free(h as u32, false);
         }
+        let n = self.host_tables[s].len();
         self.host_tables[s].clear();
+        n
     }
 }
 

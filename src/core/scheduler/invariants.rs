@@ -101,6 +101,13 @@ impl Scheduler {
         if c.num_preemptions_recompute + c.num_preemptions_swap != c.num_events {
             return Err("preemption counters differ from the events emitted".into());
         }
+        let held: usize = self.reqs.iter().map(|(idx, _)| self.kv.host_table(idx).len()).sum();
+        if c.num_blocks_swapped_out != c.num_blocks_swapped_in + c.num_blocks_swap_dropped + held as u64 {
+            return Err(format!(
+                "blocks swapped out {} != in {} + dropped {} + held on the host {held}",
+                c.num_blocks_swapped_out, c.num_blocks_swapped_in, c.num_blocks_swap_dropped
+            ));
+        }
         Ok(())
     }
 }

@@ -140,7 +140,7 @@ impl Scheduler {
     /// A swapped request whose device-kept prefix was evicted cannot be swapped back in: it
     /// drops its host blocks and waits to be recomputed, ahead of new requests.
     fn recompute_lost_prefix(&mut self, idx: ReqIdx) {
-        self.kv.free_host(idx);
+        self.counters.num_blocks_swap_dropped += self.kv.free_host(idx) as u64;
         let r = self.reqs.get_mut(idx);
         self.counters.num_tokens_recomputed += r.num_computed_tokens as u64;
         r.num_computed_tokens = 0;

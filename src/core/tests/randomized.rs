@@ -384,7 +384,7 @@ fn random_operations_keep_every_invariant() {
     let mut total = 0;
     let mut seed: u64 = std::env::var("FERRYMAN_RANDOM_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
     let mut preemptions = [0u64; 2];
-    let (mut kept_prefix_swaps, mut lost_prefixes) = (0u64, 0u64);
+    let (mut kept_prefix_swaps, mut lost_prefixes, mut swap_dropped) = (0u64, 0u64, 0u64);
     let (mut inflight_inputs, mut dropped, mut fork_recomputes) = (0u64, 0u64, 0u64);
     while total < target {
         let mut rng = Rng(seed);
@@ -418,16 +418,19 @@ fn random_operations_keep_every_invariant() {
         dropped += h.num_dropped;
         fork_recomputes += h.num_fork_recomputes;
         lost_prefixes += c.num_swap_prefix_lost;
+        swap_dropped += c.num_blocks_swap_dropped;
         total += h.ops;
     }
     println!(
         "{total} operations over {seed} configs; preemptions recompute={} swap={}; blocks kept on \
-         the device by swaps={kept_prefix_swaps}, kept prefixes lost={lost_prefixes}; async: \
+         the device by swaps={kept_prefix_swaps}, kept prefixes lost={lost_prefixes}, host blocks \
+         dropped={swap_dropped}; async: \
          inputs in flight={inflight_inputs}, samples dropped={dropped}, unforked parents \
          recomputed={fork_recomputes}",
         preemptions[0], preemptions[1]
     );
     assert!(preemptions[0] > 0 && preemptions[1] > 0, "the workloads must exercise both modes");
     assert!(kept_prefix_swaps > 0 && lost_prefixes > 0, "and swaps that keep a prefix, kept or lost");
+    assert!(swap_dropped > 0, "and swapped requests that end without a swap-in");
     assert!(inflight_inputs > 0 && dropped > 0 && fork_recomputes > 0, "and async steps' corner cases");
 }

@@ -7,6 +7,7 @@ and ``add_special_tokens`` both ways)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -98,3 +99,21 @@ def test_the_server_counts_the_same_tokens(bos_model: tuple[Path, Any], client: 
     assert doubled["usage"]["prompt_tokens"] == len(want) + 1  # asked for: the tokenizer's BOS too
     tokenized = client.post("/tokenize", json={"messages": CHAT, "add_special_tokens": True}).json()
     assert tokenized["count"] == len(want) + 1
+
+
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(client: TestClient) -> None:
+    prompt = [(7 * i) % 200 + 3 for i in range(30)]
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    first = client.post("/v1/completions", json=body).json()["usage"]
+    again = client.post("/v1/completions", json=body).json()["usage"]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    # every full block but the one holding the last prompt token (it is computed for its logits)
+    assert again["prompt_tokens"] == 30 and again["prompt_tokens_details"] == {"cached_tokens": 28}
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/completions", json=stream) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 28}
+    chat = {"messages": CHAT, "max_tokens": 2, "temperature": 0, "n": 2}
+    client.post("/v1/chat/completions", json=chat)
+    usage = client.post("/v1/chat/completions", json=chat).json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0

@@ -135,7 +135,12 @@ def test_completions_plain_and_streamed_match_the_offline_engine(server: Server,
     assert body["object"] == "text_completion"
     assert body["choices"][0]["text"] == want.outputs[0].text
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 11, "completion_tokens": 12, "total_tokens": 23}
+    assert body["usage"] == {
+        "prompt_tokens": 11,
+        "completion_tokens": 12,
+        "total_tokens": 23,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     req = {"prompt": "Hello there", **GREEDY, "stream": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", server.url + "/v1/completions", json=req) as resp:
         assert resp.headers["content-type"].startswith("text/event-stream")

@@ -277,6 +277,7 @@ class AsyncEngine:
             for o in ro.outputs
         ]
         u = Update(deltas, ro.finished, len(ro.prompt_token_ids), ro.error)
+        u.num_cached_tokens = ro.num_cached_tokens
         if ro.prompt_logprobs is not None and not s.prompt_sent:
             u.prompt_token_ids, u.prompt_logprobs, s.prompt_sent = (
                 ro.prompt_token_ids,

@@ -81,6 +81,9 @@ from ferryman.server.response_models import (
 from ferryman.server.response_models import (
     PromptLogprob as PromptLogprob,
 )
+from ferryman.server.response_models import (
+    PromptTokensDetails as PromptTokensDetails,
+)
 from ferryman.server.response_models import (  # re-exported: the API's bodies in one place
     TokenizeResponse as TokenizeResponse,
 )

@@ -72,18 +72,18 @@ class Accumulated:
     lps: dict[int, list[dict[int, float]]] = field(default_factory=dict)
     reasons: dict[int, str | None] = field(default_factory=dict)
     stop_reasons: dict[int, str | int | None] = field(default_factory=dict)
-    prompt_tokens: dict[int, int] = field(default_factory=dict)
+    prompt_tokens: dict[int, tuple[int, int]] = field(default_factory=dict)  # (tokens, cached)
     # by prompt index, with prompt logprobs: the prompt's ids and their logprobs
     prompts: dict[int, PromptData] = field(default_factory=dict)
 
     def usage(self) -> api.Usage:
-        return usage(sum(self.prompt_tokens.values()), sum(len(t) for t in self.toks.values()))
+        return usage(self.prompt_tokens, sum(len(t) for t in self.toks.values()))
 
 
 async def accumulate(streams: list[AsyncIterator[Update]], n: int) -> Accumulated:
     acc = Accumulated()
     async for i, u in merge(streams):
-        acc.prompt_tokens[i] = u.num_prompt_tokens
+        prompt_counts(acc.prompt_tokens, i, u)
         if u.prompt_token_ids is not None and u.prompt_logprobs is not None:
             acc.prompts[i] = (u.prompt_token_ids, u.prompt_logprobs, u.prompt_logprob_ranks or [])
         for d in u.deltas:
@@ -96,8 +96,21 @@ async def accumulate(streams: list[AsyncIterator[Update]], n: int) -> Accumulate
     return acc
 
 
-def usage(prompt: int, completion: int) -> api.Usage:
-    return api.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+def prompt_counts(counts: dict[int, tuple[int, int]], i: int, u: Update) -> None:
+    """Records prompt ``i``'s (tokens, cached tokens) from its update ``u`` (an update made when
+    the request was aborted knows no cached count: the count an earlier one gave stays)."""
+    counts[i] = (u.num_prompt_tokens, max(u.num_cached_tokens, counts.get(i, (0, 0))[1]))
+
+
+def usage(prompts: dict[int, tuple[int, int]], completion: int) -> api.Usage:
+    """Of prompts' (tokens, cached tokens) by prompt index, and the completion tokens."""
+    prompt, cached = sum(p for p, _ in prompts.values()), sum(c for _, c in prompts.values())
+    return api.Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=api.PromptTokensDetails(cached_tokens=cached),
+    )
 
 
 def completion_logprobs(
@@ -199,18 +212,18 @@ async def sse_events(
     ``continuous_usage`` each carries the usage so far), the usage chunk when asked, then
     ``[DONE]``; an engine that dies or fails the request mid-stream ends it with an error event,
     then ``[DONE]``."""
-    prompt_tokens: dict[int, int] = {}
+    prompt_tokens: dict[int, tuple[int, int]] = {}
     completion_tokens = 0
     try:
         async for i, u in merge(streams):
-            prompt_tokens[i] = u.num_prompt_tokens
+            prompt_counts(prompt_tokens, i, u)
             completion_tokens += sum(len(d.token_ids) for d in u.deltas)
             choices = [c for d in u.deltas if (c := choice(i, d, u)) is not None]
             if choices:  # a delta with nothing to say (text held back) sends no chunk
-                so_far = usage(sum(prompt_tokens.values()), completion_tokens) if continuous_usage else None
+                so_far = usage(prompt_tokens, completion_tokens) if continuous_usage else None
                 yield sse(chunk(choices, so_far))
         if include_usage:
-            yield sse(chunk([], usage(sum(prompt_tokens.values()), completion_tokens)))
+            yield sse(chunk([], usage(prompt_tokens, completion_tokens)))
     except EngineDeadError as e:
         yield sse(ApiError(503, str(e), "server_error").body)
     except RequestFailedError as e:

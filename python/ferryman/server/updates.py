@@ -33,6 +33,7 @@ class Update:
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprob_ranks: list[int | None] | None = None  # each prompt token's rank, with them
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache held (usage.prompt_tokens_details)
 
 
 class RequestFailedError(RuntimeError):

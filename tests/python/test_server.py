@@ -267,7 +267,6 @@ BAD_REQUESTS: list[tuple[str, Any, int, str]] = [
         400,
         "response_format",
     ),
-    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "store": True}, 400, "store"),
     # vLLM's fields not implemented are refused by name too
     (CMPL, {"prompt": "x", "allowed_token_ids": [1, 2]}, 400, "allowed_token_ids is not supported"),
     (CMPL, {"prompt": "x", "bad_words": ["x"]}, 400, "bad_words is not supported"),

@@ -21,6 +21,14 @@ def register(sub: Any) -> None:
     s.add_argument("--trace", default=None, help="write one JSON line per step and preemption to this file")
     s.add_argument("--log-level", default="info", help="uvicorn's log level (default: info)")
     s.add_argument(
+        "--allowed-origins",
+        nargs="*",
+        default=["*"],
+        metavar="ORIGIN",
+        help="origins a browser may call the API from (CORS; default: * , every origin; none given: "
+        "no CORS headers)",
+    )
+    s.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -79,6 +87,7 @@ def run(a: argparse.Namespace) -> int:
         trace=a.trace,
         log_level=a.log_level,
         shutdown_timeout=a.shutdown_timeout,
+        allowed_origins=a.allowed_origins,
     )
 
 

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -39,7 +40,12 @@ from ferryman.server.tokenize_routes import add_tokenizer_routes
 T = TypeVar("T")
 
 
-def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
+def build_app(
+    engine: AsyncEngine, served_model_name: str, allowed_origins: Sequence[str] = ("*",)
+) -> FastAPI:
+    """The API over ``engine``; browsers on ``allowed_origins`` may call it (CORS, vLLM's default:
+    every origin, no credentials; none: no CORS headers)."""
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
@@ -49,6 +55,10 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
             engine.shutdown()
 
     app = FastAPI(title="ferryman", lifespan=lifespan)
+    if allowed_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"]
+        )
     install_error_handlers(app)
     tokenizer = engine.engine.tokenizer
     defaults = dict(engine.engine.generation_defaults)  # the model's generation_config.json
@@ -114,6 +124,12 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
     @app.get("/v1/models", responses=ERRORS)
     async def models() -> api.ModelList:
         return api.ModelList(data=[api.ModelCard(id=served_model_name, max_model_len=max_model_len)])
+
+    @app.get("/v1/models/{model}", responses=ERRORS)
+    async def model(model: str) -> api.ModelCard:
+        """OpenAI's model retrieval: the served model's card, else 404."""
+        check_model(model)
+        return api.ModelCard(id=served_model_name, max_model_len=max_model_len)
 
     @app.get(
         "/metrics",

@@ -70,6 +70,9 @@ class ChatPrompt(Body):
     # vLLM's: extra keywords the chat template sees (Qwen3's enable_thinking, ...)
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: Unsupported = None  # vLLM's, a template sent in the request: not served
+    # OpenAI's: reaches the template as the variable `reasoning_effort` (gpt-oss reads it; a
+    # template that does not is unchanged by it)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     # vLLM's: the tokenizer's own BOS/EOS around the rendered text (the template has its own)
     add_special_tokens: bool = False
 
@@ -93,10 +96,13 @@ class ChatPrompt(Body):
             choice = self.effective_tool_choice()
         except ValueError as e:
             raise _invalid(str(e), "messages") from None
-        msgs, tool_dicts = tools.render_messages(
-            [m.for_template() for m in self.messages], self.tools, choice, str(template)
-        )
+        turns = [m.for_template() for m in self.messages]
+        if "developer" not in str(template):  # OpenAI's developer message is the system message
+            turns = [t | {"role": "system"} if t["role"] == "developer" else t for t in turns]
+        msgs, tool_dicts = tools.render_messages(turns, self.tools, choice, str(template))
         kwargs = {k: v for k, v in (self.chat_template_kwargs or {}).items() if k not in _RESERVED}
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
         try:
             prompt = str(
                 tokenizer.apply_chat_template(

@@ -260,8 +260,7 @@ class ChatCompletionRequest(_Sampling, ChatPrompt):
     modalities: list[Literal["text"]] | None = None
     prediction: Unsupported = None
     web_search_options: Unsupported = None
-    reasoning_effort: Unsupported = None
-    store: Annotated[Literal[False], BeforeValidator(_json_false)] | None = None
+    store: bool | None = None  # OpenAI's: keep the completion on their side; nothing is stored here
     metadata: dict[str, str] | None = None  # descriptive only (OpenAI keeps it with `store`)
     service_tier: Literal["auto", "default"] | None = None  # one tier here
     # vLLM's chat fields that are not served: refused by name (best_of == n is a no-op)

@@ -207,9 +207,10 @@ async def sse_events(
     include_usage: bool,
     continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
-    """A streamed response's events: one chunk per update that has deltas (``choice`` maps the
+    """A streamed response's events: one chunk per choice of each update (``choice`` maps the
     prompt index and a delta to a choice, or None when it has nothing to send; with
-    ``continuous_usage`` each carries the usage so far), the usage chunk when asked, then
+    ``continuous_usage`` each carries the usage so far), as OpenAI streams ``n > 1`` (clients
+    read ``chunk.choices[0]``), the usage chunk when asked, then
     ``[DONE]``; an engine that dies or fails the request mid-stream ends it with an error event,
     then ``[DONE]``."""
     prompt_tokens: dict[int, tuple[int, int]] = {}
@@ -219,9 +220,9 @@ async def sse_events(
             prompt_counts(prompt_tokens, i, u)
             completion_tokens += sum(len(d.token_ids) for d in u.deltas)
             choices = [c for d in u.deltas if (c := choice(i, d, u)) is not None]
-            if choices:  # a delta with nothing to say (text held back) sends no chunk
-                so_far = usage(prompt_tokens, completion_tokens) if continuous_usage else None
-                yield sse(chunk(choices, so_far))
+            so_far = usage(prompt_tokens, completion_tokens) if continuous_usage and choices else None
+            for c in choices:  # a delta with nothing to say (text held back) sends no chunk
+                yield sse(chunk([c], so_far))
         if include_usage:
             yield sse(chunk([], usage(prompt_tokens, completion_tokens)))
     except EngineDeadError as e:

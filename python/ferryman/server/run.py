@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from collections.abc import Sequence
 from types import FrameType
 
 import uvicorn
@@ -35,11 +36,12 @@ def serve(
     trace: str | None = None,
     log_level: str = "info",
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+    allowed_origins: Sequence[str] = ("*",),
 ) -> int:
     """Serves until a signal (exit status 0 once drained) or the engine's death (1);
     ``served_model_name`` defaults to ``args.model``, ``max_waiting`` (>= 1) bounds the waiting
     queue (503 beyond it), ``trace`` is a JSON-lines step trace file, ``shutdown_timeout`` (>= 0)
-    bounds the drain."""
+    bounds the drain, ``allowed_origins`` are the origins browsers may call from (CORS)."""
     if max_waiting is not None and max_waiting < 1:
         print("--max-waiting must be >= 1", file=sys.stderr)
         return 2
@@ -63,7 +65,7 @@ def serve(
     async_engine = AsyncEngine(
         engine, metrics=metrics, trace=writer, max_waiting=max_waiting, on_dead=on_dead
     )
-    app = build_app(async_engine, name)
+    app = build_app(async_engine, name, allowed_origins)
     print(
         f"ferryman: serving {name!r} on http://{host}:{port} ({cfg.num_device_blocks} device KV blocks, "
         f"{cfg.num_host_blocks} host, mode {cfg.preemption_mode})",

@@ -1,0 +1,125 @@
+"""What OpenAI-client code relies on beyond the bodies' fields, in process over ASGI on a tiny
+Llama with the tests' byte-level tokenizer (a ChatML template): ``n > 1`` streams one choice per
+chunk (clients read ``chunk.choices[0]``), ``GET /v1/models/{id}``, CORS for browser clients,
+the developer role as the system message, and OpenAI fields that change nothing here
+(``store``, ``reasoning_effort`` under a template that does not read it) accepted."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from tiny_models import build
+
+from ferryman import Engine
+from ferryman.chat_template import render
+from ferryman.server.app import build_app
+from ferryman.server.async_engine import AsyncEngine
+from ferryman.server.chat_prompt import ChatPrompt
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    path = build("llama", tmp_path_factory.mktemp("surface"), tokenizer=True)
+    return Engine(str(path), block_size=4, num_device_blocks=128, calibrate=False)
+
+
+@pytest.fixture(scope="module")
+def client(engine: Engine) -> Iterator[TestClient]:
+    with TestClient(build_app(AsyncEngine(engine), "tiny")) as c:
+        yield c
+
+
+def events(client: TestClient, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with client.stream("POST", path, json=body | {"stream": True}) as resp:
+        assert resp.status_code == 200
+        return [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_n_streams_one_choice_per_chunk(client: TestClient, path: str) -> None:
+    chat = path.endswith("chat/completions")
+    body: dict[str, Any] = {"max_tokens": 6, "n": 3, "seed": 7, "temperature": 1.0, "ignore_eos": True}
+    body |= {"messages": HI} if chat else {"prompt": ["hi", "there"]}
+    whole = client.post(path, json=body).json()
+    texts: dict[int, str] = {}
+    ends: dict[int, str] = {}
+    for e in events(client, path, body):
+        assert len(e["choices"]) == 1, e
+        c = e["choices"][0]
+        piece = (c["delta"].get("content") or "") if chat else c["text"]
+        texts[c["index"]] = texts.get(c["index"], "") + piece
+        if c["finish_reason"] is not None:
+            ends[c["index"]] = c["finish_reason"]
+    want = {c["index"]: c["message"]["content"] if chat else c["text"] for c in whole["choices"]}
+    assert texts == want and len(want) == (3 if chat else 6)
+    assert ends == dict.fromkeys(want, "length")
+
+
+def test_a_model_is_retrieved_by_its_id(client: TestClient) -> None:
+    r = client.get("/v1/models/tiny")
+    assert r.status_code == 200 and r.json()["id"] == "tiny" and r.json()["object"] == "model"
+    r = client.get("/v1/models/other")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_browsers_may_call_from_the_allowed_origins(client: TestClient, engine: Engine) -> None:
+    ask = {"Origin": "http://example.com", "Access-Control-Request-Method": "POST"}
+    preflight = ask | {"Access-Control-Request-Headers": "content-type"}
+    r = client.options("/v1/chat/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    r = client.get("/v1/models", headers={"Origin": "http://example.com"})
+    assert r.headers["access-control-allow-origin"] == "*"
+    only = build_app(AsyncEngine(engine), "tiny", allowed_origins=["http://ok.example"])
+    closed = build_app(AsyncEngine(engine), "tiny", allowed_origins=[])
+    with TestClient(only) as c:
+        assert c.options("/v1/models", headers=ask).status_code == 400  # a disallowed origin
+        ok = c.get("/v1/models", headers={"Origin": "http://ok.example"})
+        assert ok.headers["access-control-allow-origin"] == "http://ok.example"
+    with TestClient(closed) as c:
+        assert "access-control-allow-origin" not in c.get("/v1/models", headers=ask).headers
+
+
+def test_the_developer_role_is_the_system_message(client: TestClient) -> None:
+    def count(role: str) -> list[int]:
+        msgs = [{"role": role, "content": "be brief"}, *HI]
+        return list(client.post("/tokenize", json={"messages": msgs}).json()["tokens"])
+
+    assert count("developer") == count("system")
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "developer", "content": "x"}, *HI]})
+    assert r.status_code == 200
+
+    class Tok:  # a template that knows the developer role keeps it
+        chat_template = "{% for m in messages %}{{ m.role }}:{{ m.content }}|{% endfor %}{{ developer_note }}"
+
+        def apply_chat_template(self, msgs: Any, tools: Any, add_generation_prompt: bool, **kw: Any) -> str:
+            kw.pop("tokenize")
+            return render(self.chat_template, msgs, tools, add_generation_prompt, **kw)
+
+    body = {"messages": [{"role": "developer", "content": "x"}, *HI], "add_generation_prompt": False}
+    assert ChatPrompt.model_validate(body).render(Tok()) == "developer:x|user:hi|"
+
+
+def test_openai_fields_that_change_nothing_here_are_accepted(client: TestClient) -> None:
+    base = {"messages": HI, "max_tokens": 3, "temperature": 0}
+    plain = client.post("/v1/chat/completions", json=base).json()
+    for extra in ({"store": True}, {"reasoning_effort": "low"}, {"store": False, "metadata": {"k": "v"}}):
+        r = client.post("/v1/chat/completions", json=base | extra)
+        assert r.status_code == 200, (extra, r.text)
+        assert r.json()["choices"][0]["message"] == plain["choices"][0]["message"]
+    bad = client.post("/v1/chat/completions", json=base | {"reasoning_effort": "extreme"})
+    assert bad.status_code == 400 and "reasoning_effort" in bad.json()["error"]["message"]
+
+    class Tok:  # gpt-oss style: the template reads reasoning_effort
+        chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}[{{ reasoning_effort }}]"
+
+        def apply_chat_template(self, msgs: Any, tools: Any, add_generation_prompt: bool, **kw: Any) -> str:
+            kw.pop("tokenize")
+            return render(self.chat_template, msgs, tools, add_generation_prompt, **kw)
+
+    assert ChatPrompt.model_validate({"messages": HI, "reasoning_effort": "high"}).render(Tok()) == "hi[high]"

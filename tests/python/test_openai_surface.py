@@ -123,3 +123,18 @@ def test_openai_fields_that_change_nothing_here_are_accepted(client: TestClient)
             return render(self.chat_template, msgs, tools, add_generation_prompt, **kw)
 
     assert ChatPrompt.model_validate({"messages": HI, "reasoning_effort": "high"}).render(Tok()) == "hi[high]"
+
+
+def test_a_body_that_is_not_json_is_a_415_that_says_so(client: TestClient) -> None:
+    data = json.dumps({"prompt": "hi", "max_tokens": 1})
+    for given in ("application/x-www-form-urlencoded", "text/plain"):
+        r = client.post("/v1/completions", content=data, headers={"Content-Type": given})
+        assert r.status_code == 415 and "Content-Type: application/json" in r.json()["error"]["message"]
+    r = client.post(
+        "/v1/completions", content=data, headers={"Content-Type": "text/plain", "Origin": "http://a.b"}
+    )
+    assert r.status_code == 415 and r.headers["access-control-allow-origin"] == "*"
+    ok = client.post(
+        "/v1/completions", content=data, headers={"Content-Type": "application/json; charset=utf-8"}
+    )
+    assert ok.status_code == 200

@@ -55,11 +55,11 @@ def build_app(
             engine.shutdown()
 
     app = FastAPI(title="ferryman", lifespan=lifespan)
-    if allowed_origins:
+    install_error_handlers(app)
+    if allowed_origins:  # outermost (added last), so its headers are on every answer, errors included
         app.add_middleware(
             CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"]
         )
-    install_error_handlers(app)
     tokenizer = engine.engine.tokenizer
     defaults = dict(engine.engine.generation_defaults)  # the model's generation_config.json
     max_model_len = engine.engine.max_model_len

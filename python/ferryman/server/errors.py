@@ -48,6 +48,16 @@ def _member(loc: Any) -> bool:
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    @app.middleware("http")
+    async def _json_only(request: Request, call_next: Any) -> Any:
+        """A POST body sent as something else than JSON (``curl -d`` sends a form type unless told)
+        is a 415 that says so, not a validation error about a dictionary (vLLM's rule)."""
+        given = request.headers.get("content-type")
+        if request.method == "POST" and given is not None and not _is_json(given):
+            said = f"the request body must be JSON, sent with Content-Type: application/json (got {given!r})"
+            return error_response(ApiError(415, said, "invalid_request_error"))
+        return await call_next(request)
+
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError) -> JSONResponse:
         return error_response(e)
@@ -76,3 +86,9 @@ def install_error_handlers(app: FastAPI) -> None:
         msg = "; ".join(f"{f or 'body'}: {err.get('msg')}" for f, err in zip(fields, errs, strict=True))
         param = fields[0] if fields and fields[0] else None
         return error_response(ApiError(400, msg or "invalid request", "invalid_request_error", param))
+
+
+def _is_json(content_type: str) -> bool:
+    """``application/json`` or a ``+json`` type, parameters (``; charset=utf-8``) aside."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")

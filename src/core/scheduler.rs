@@ -186,7 +186,8 @@ impl Scheduler {
         }
         let text = match (&p.text, &self.tokenizer) {
             (Some(t), Some(tok)) => {
-                Some(Box::new(SeqText::with_options(tok, &t.stop, t.min_tokens, t.include_stop_str_in_output)))
+                let seq = SeqText::with_options(tok, &t.stop, t.min_tokens, t.include_stop_str_in_output);
+                Some(Box::new(seq.after_prompt(tok, &prompt_token_ids)))
             }
             _ => None,
         };

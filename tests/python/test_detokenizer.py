@@ -36,13 +36,15 @@ def sentencepiece() -> Any:
 
 
 def run(
-    tokenizer: Any, ids: list[int], stop: list[str] | None = None
+    tokenizer: Any, ids: list[int], stop: list[str] | None = None, prompt: list[int] | None = None
 ) -> tuple[list[str], str, str, list[int]]:
-    """Feeds ``ids`` one per step to a request of a bare scheduler: its deltas, final text,
+    """Feeds ``ids`` one per step to a request of a bare scheduler (its prompt: ``prompt``, by
+    default token 1, a special token of the SentencePiece tokenizer): its deltas, final text,
     finish reason and output tokens."""
     s = Scheduler(SchedulerConfig(block_size=16, num_device_blocks=64, max_num_seqs=4, max_model_len=1024))
     s.set_tokenizer(tokenizer.backend_tokenizer.to_str())
-    s.add_request(0, [1], RequestParams(len(ids), ignore_eos=True, detokenize=True, stop=stop or []))
+    params = RequestParams(len(ids), ignore_eos=True, detokenize=True, stop=stop or [])
+    s.add_request(0, prompt or [1], params)
     deltas = []
     for t in ids:
         s.schedule()
@@ -90,6 +92,32 @@ def test_deltas_concatenate_to_transformers_decode(kind: str, request: pytest.Fi
             continue
         deltas, final, _, _ = run(tok, ids)
         assert "".join(deltas) == final == want, ids
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "sentencepiece"])
+def test_an_output_is_what_it_adds_to_its_prompts_text(kind: str, request: pytest.FixtureRequest) -> None:
+    """vLLM's text of an output: decode(prompt + output) less decode(prompt). A SentencePiece
+    decoder strips the first space of the whole text, which is the prompt's: the first output
+    token keeps its own ("▁the" after "hello" is " the", not "the")."""
+    tok = request.getfixturevalue(kind)
+    rng = random.Random(2)
+    cases = [("hello", " the the"), ("東", " hello"), ("a", "b c")]
+    cases += [
+        ("".join(rng.choice("ab lé東") for _ in range(5)), " the " + rng.choice("ab")) for _ in range(30)
+    ]
+    for prompt_text, out_text in cases:
+        prompt, out = (
+            tok.encode(prompt_text, add_special_tokens=False),
+            tok.encode(out_text, add_special_tokens=False),
+        )
+        head = tok.decode(prompt, skip_special_tokens=True)
+        joint = tok.decode(prompt + out, skip_special_tokens=True)
+        assert joint.startswith(head)
+        deltas, final, _, _ = run(tok, out, prompt=prompt)
+        assert "".join(deltas) == final == joint[len(head) :], (prompt_text, out_text)
+    if kind == "sentencepiece":  # a stop string that starts with the space matches the first token
+        the = tok.convert_tokens_to_ids("▁the")
+        assert run(tok, [the, the], [" the"], prompt)[1:] == ("", "stop", [the])
 
 
 @pytest.mark.parametrize("kind", ["byte_level", "sentencepiece"])

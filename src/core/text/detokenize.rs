@@ -5,7 +5,9 @@
 //! is emitted token by token; nothing is emitted while the text since the last emission ends
 //! in U+FFFD (an incomplete UTF-8 character, or a replacement character that a later token may
 //! still change), and `flush` emits that held text as the full decode shows it. The emitted
-//! pieces concatenate to `tokenizer.decode(ids, skip_special_tokens=True)`.
+//! pieces concatenate to `tokenizer.decode(ids, skip_special_tokens=True)`; made with `after`
+//! (the scheduler's way), to what the output adds to its prompt's decode (a SentencePiece
+//! decoder's strip of the first space then applies to the prompt, not to the output).
 //!
 //! Two paths, chosen by the tokenizer:
 //! - **table** (`Pieces`): per token, one table lookup and a UTF-8 check of the few bytes not yet
@@ -30,6 +32,8 @@ use super::Tokenizer;
 use crate::error::CoreResult;
 
 const REPLACEMENT: char = '\u{FFFD}';
+/// Prompt tokens the generic path decodes before the output (vLLM's initial prefix offset).
+const PROMPT_CONTEXT: usize = 5;
 
 /// Incremental detokenizer state of one sequence.
 #[derive(Debug, Clone)]
@@ -69,6 +73,28 @@ impl Detok {
             read: 0,
             before_chars: 0,
         }
+    }
+
+    /// Fresh state for an output that continues `prompt` (vLLM's rule: the output's text is
+    /// what it adds to the prompt's): a decoder's strip of the text's start applies only if the
+    /// prompt has no text (special tokens only), and the generic path starts its window with the
+    /// prompt's last tokens, so a leading space of the first output token is kept.
+    pub fn after(tok: &Tokenizer, prompt: &[u32]) -> Self {
+        let mut d = Self::new(tok);
+        match tok.pieces() {
+            Some(p) => {
+                if prompt.iter().rev().any(|&id| p.get(id).0 != Kind::Skip) {
+                    d.strip_left = 0;
+                }
+            }
+            None => {
+                let tail = &prompt[prompt.len().saturating_sub(PROMPT_CONTEXT)..];
+                if let Ok(text) = tok.decode(tail) {
+                    (d.ids, d.read, d.before_chars) = (tail.to_vec(), tail.len(), text.chars().count());
+                }
+            }
+        }
+        d
     }
 
     /// Adds `id`; appends to `out` the text this makes emittable (possibly none). `tok` must be

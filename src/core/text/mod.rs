@@ -10,7 +10,8 @@
 //!   `finish` flushes and releases everything.
 //!
 //! Semantics (those of the Python detokenizer and stop-string check this replaced; vLLM's stop
-//! strings): all deltas of a sequence concatenate to `decode(output_ids, skip_special_tokens=True)`,
+//! strings): all deltas of a sequence concatenate to `decode(output_ids, skip_special_tokens=True)`
+//! (with `after_prompt`, the scheduler's way: to what the output adds to its prompt's decode),
 //! cut at the earliest stop-string match (before it, or after it with
 //! `include_stop_str_in_output`). As in vLLM, stop strings are looked for only from the token
 //! after the first `min_tokens`; a match then may still begin in the text before. Text that could
@@ -166,6 +167,13 @@ impl SeqText {
             min_tokens,
             include_stop,
         }
+    }
+
+    /// The same state for an output that continues `prompt` (`Detok::after`): its first token's
+    /// leading space is kept, as in the decode of prompt and output together.
+    pub fn after_prompt(mut self, tok: &Tokenizer, prompt: &[u32]) -> Self {
+        self.detok = Detok::after(tok, prompt);
+        self
     }
 
     /// Adds a sampled token (special tokens add no text). On a stop-string match the text is cut

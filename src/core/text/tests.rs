@@ -109,6 +109,56 @@ fn deltas_concatenate_to_the_full_decode() {
     check_against_decode(&fixtures::sentencepiece(), &texts, 400);
 }
 
+/// An output after `prompt`: its deltas, with `SeqText::after_prompt`.
+fn stream_after(tok: &Tokenizer, prompt: &[u32], ids: &[u32]) -> String {
+    let mut s = SeqText::new(tok, &[] as &[&str]).after_prompt(tok, prompt);
+    let mut out = Vec::new();
+    for &id in ids {
+        s.push(tok, id).expect("push");
+        s.take_delta(&mut out);
+    }
+    s.finish();
+    s.take_delta(&mut out);
+    String::from_utf8(out).expect("UTF-8")
+}
+
+#[test]
+fn an_output_continues_its_prompt_as_the_joint_decode_does() {
+    // what the output adds to the prompt's decode (vLLM's text), on every path; a SentencePiece
+    // decoder strips the whole text's first space, which is in the prompt
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    for tok in [fixtures::byte_level(), fixtures::sentencepiece()] {
+        let generic = Tokenizer::new_generic(tok.hf().clone());
+        let (prompt, out) = (encode(&tok, "hello"), encode(&tok, "the the"));
+        let joint = [&prompt[..], &out[..]].concat();
+        let want = tok.decode(&joint).unwrap()[tok.decode(&prompt).unwrap().len()..].to_string();
+        if tok.detok_path() == DetokPath::ByteFallback {
+            assert_eq!(want, " the the"); // "▁the▁the": the first space is the prompt's to strip
+        }
+        assert_eq!(stream_after(&tok, &prompt, &out), want);
+        assert_eq!(stream_after(&generic, &prompt, &out), want);
+        let n = vocab_len(&tok);
+        let mut checked = 0;
+        for _ in 0..300 {
+            let (prompt, out) = (random_ids(&mut rng, &tok, n, 6), random_ids(&mut rng, &tok, n, 10));
+            let (p_text, joint) =
+                (tok.decode(&prompt).unwrap(), tok.decode(&[&prompt[..], &out[..]].concat()).unwrap());
+            // a byte run across the boundary, or one the stream splits, decodes differently apart
+            if joint.contains('\u{FFFD}') || p_text.contains('\u{FFFD}') || !joint.starts_with(&p_text) {
+                continue;
+            }
+            assert_eq!(stream_after(&tok, &prompt, &out), joint[p_text.len()..], "{prompt:?} {out:?}");
+            assert_eq!(stream_after(&generic, &prompt, &out), joint[p_text.len()..], "{prompt:?} {out:?}");
+            checked += 1;
+        }
+        assert!(checked > 100, "only {checked} cases checked");
+    }
+    // a prompt of special tokens only has no text: the output's first space is stripped
+    let tok = fixtures::sentencepiece();
+    let special = tok.hf().token_to_id("<s>").expect("a BOS");
+    assert_eq!(stream_after(&tok, &[special], &encode(&tok, "the the")), "the the");
+}
+
 #[test]
 fn multibyte_characters_wait_for_their_last_byte() {
     let tok = fixtures::byte_level();

@@ -49,12 +49,17 @@ KINDS = {
 
 
 def run(eng: Engine, so: StructuredOutputsParams | None, n: int, max_tokens: int) -> dict[str, Any]:
-    prompts = [f"Describe person number {i} (name, age, hobbies) in a short answer." for i in range(n)]
+    prompts: list[Any] = [
+        f"Describe person number {i} (name, age, hobbies) in a short answer." for i in range(n)
+    ]
     if getattr(eng.tokenizer, "chat_template", None):  # an instruct model: ask through its template
-        prompts = [
-            eng.tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
-            )
+        prompts = [  # the template writes the BOS: no special tokens of the tokenizer's
+            eng.tokenize(
+                eng.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+                ),
+                add_special_tokens=False,
+            )[1]
             for p in prompts
         ]
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=so)

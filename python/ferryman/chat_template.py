@@ -162,3 +162,14 @@ def render(
         add_generation_prompt=add_generation_prompt,
         **extra,
     )
+
+
+def open_final_message(prompt: str, final: str) -> str:
+    """The rendered conversation cut right after the last message's text, so the model continues
+    that message instead of closing it (what transformers' ``continue_final_message`` does)."""
+    for text in (final, final.strip()):
+        at = prompt.rfind(text) if text else -1
+        if at >= 0:
+            return prompt[: at + len(text)]
+    said = "continue_final_message: the chat template does not render the last message's text"
+    raise ValueError(said)

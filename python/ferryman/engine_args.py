@@ -143,8 +143,8 @@ class EngineArgs(SchedulerArgs):
     )
     dtype: str = knob(
         "auto",
-        "weights and KV dtype ('auto': bfloat16 on CUDA, float32 on CPU)",
-        choices=("auto", "float32", "float16", "bfloat16"),
+        "weights and KV dtype ('auto': bfloat16 on CUDA, float32 on CPU; vLLM's 'half', 'float' too)",
+        choices=("auto", "float32", "float16", "bfloat16", "half", "float"),
     )
     device: str = knob("auto", "'auto' (CUDA when there is one), 'cpu' or 'cuda[:N]'", check=_device_name)
     kv_cache_memory: int = knob(512 << 20, "device KV bytes when not profiled (CPU)", check=at_least(1))

@@ -10,10 +10,13 @@ from numbers import Integral
 from typing import TYPE_CHECKING, Any, cast
 
 from ferryman._core import InvalidRequestError, Scheduler
+from ferryman.chat_template import open_final_message
 from ferryman.outputs import RequestOutput, StepResult
 from ferryman.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
+# vLLM's prompt dicts: {"prompt": text} (TextPrompt) and {"prompt_token_ids": ids} (TokensPrompt)
+PromptDict = dict[str, Any]
 
 
 class OfflineMixin:
@@ -25,6 +28,7 @@ class OfflineMixin:
         _num_added: int
         _core_ids: dict[str, int]
         _held: list[RequestOutput]
+        max_model_len: int
 
         def add_request(
             self,
@@ -52,7 +56,7 @@ class OfflineMixin:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
@@ -60,12 +64,10 @@ class OfflineMixin:
         parameter set that is refused refuses the whole call: nothing of it stays queued.
         Requests added with ``add_request`` advance too; their outputs of these steps come with
         the next ``step()``'s, before its own. A text prompt gets the tokenizer's special tokens
-        (a BOS where its file adds one), as in vLLM."""
-        plist: list[Prompt]
-        if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], Integral)):
-            plist = [cast(Prompt, prompts)]
-        else:
-            plist = list(cast(Sequence[Prompt], prompts))
+        (a BOS where its file adds one), as in vLLM. As in vLLM's ``LLM``, a ``max_tokens`` past
+        ``max_model_len`` is cut to the room the prompt leaves (finish_reason "length" there)."""
+        one = isinstance(prompts, str | dict) or (len(prompts) > 0 and isinstance(prompts[0], Integral))
+        plist = [_plain(p) for p in ([prompts] if one else cast(Sequence[Any], prompts))]
         if sampling_params is None:
             sampling_params = self.default_sampling_params()
         params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(plist)
@@ -85,7 +87,9 @@ class OfflineMixin:
         added: list[str] = []
         try:
             for rid, p, tids, sp in zip(ids, plist, token_ids, params, strict=True):
+                tids = self.tokenize(p, tids)[1] if isinstance(p, str) else tids
                 final_only = dataclasses.replace(sp, output_kind="final_only")
+                final_only = self._fit(final_only, tids if tids is not None else cast(Sequence[int], p))
                 self.add_request(rid, p, final_only, prompt_token_ids=tids)
                 added.append(rid)
         except BaseException:
@@ -116,22 +120,93 @@ class OfflineMixin:
             self.step()  # a step planned before the last stop: only dropped samples are left
         return [final[rid] for rid in ids]
 
+    def _fit(self, sp: SamplingParams, ids: Sequence[int]) -> SamplingParams:
+        """``sp`` with ``max_tokens`` cut to the room the (truncated) prompt leaves under
+        ``max_model_len``, when it leaves some (the engine refuses a prompt that leaves none)."""
+        room = self.max_model_len - len(sp.truncated(list(ids), self.max_model_len))
+        if sp.max_tokens is None or sp.max_tokens <= room or room < 1:
+            return sp
+        return dataclasses.replace(sp, max_tokens=room, min_tokens=min(sp.min_tokens, room))
+
     def chat(
         self,
-        messages: list[dict[str, str]],
-        sampling_params: SamplingParams | None = None,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
-    ) -> RequestOutput:
-        """Applies the model's chat template to ``messages`` and generates the reply (the rendered
-        text is tokenized without the tokenizer's special tokens: the template has its own)."""
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: one conversation, or a list of them, through the model's chat
+        template; one output per conversation. Messages' content is text or OpenAI's text parts;
+        ``continue_final_message`` leaves the last (assistant) message open for the model to
+        continue; ``chat_template_kwargs`` are extra template variables. The rendered text is
+        tokenized without the tokenizer's special tokens (the template writes its own)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model has no chat template")
-        try:
-            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as e:  # the template refuses the conversation (a message without content, ...)
-            raise InvalidRequestError(f"chat template: {e}") from None
-        ids = self.tokenize(prompt, add_special_tokens=False)[1]
-        return self._run([prompt], [ids], [sampling_params or self.default_sampling_params()], use_tqdm)[0]
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError("continue_final_message needs add_generation_prompt=False")
+        convs = cast(list[Any], [messages] if messages and isinstance(messages[0], dict) else messages)
+        texts: list[Prompt] = []
+        ids: list[list[int] | None] = []
+        for conv in convs:
+            turns = [_flat_message(m) for m in conv]
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    turns,
+                    tools=tools,
+                    add_generation_prompt=add_generation_prompt,
+                    tokenize=False,
+                    **(chat_template_kwargs or {}),
+                )
+            except Exception as e:  # the template refuses the conversation (a message without content, ...)
+                raise InvalidRequestError(f"chat template: {e}") from None
+            if continue_final_message:
+                if not turns or turns[-1]["role"] != "assistant":
+                    raise InvalidRequestError("continue_final_message needs a last message of the assistant")
+                try:
+                    text = open_final_message(text, str(turns[-1]["content"]))
+                except ValueError as e:
+                    raise InvalidRequestError(str(e)) from None
+            texts.append(text)
+            ids.append(self.tokenize(text, add_special_tokens=False)[1])
+        sp = self.default_sampling_params() if sampling_params is None else sampling_params
+        params = list(sp) if isinstance(sp, Sequence) else [sp] * len(texts)
+        if len(params) != len(texts):
+            raise ValueError(f"{len(texts)} conversations but {len(params)} sampling parameter sets")
+        return self._run(texts, ids, params, use_tqdm)
+
+
+def _plain(p: Any) -> Prompt:
+    """A prompt as ``add_request`` takes it: text or ids; vLLM's prompt dicts are unwrapped (ids
+    first when both are given), and a dict with anything else is refused by name."""
+    if not isinstance(p, dict):
+        return cast(Prompt, p)
+    extra = sorted(set(p) - {"prompt", "prompt_token_ids"})
+    if extra:
+        raise InvalidRequestError(
+            f"prompt dict keys {extra} are not supported (only prompt, prompt_token_ids)"
+        )
+    if "prompt_token_ids" in p:
+        return list(p["prompt_token_ids"])
+    if "prompt" in p:
+        return cast(Prompt, p["prompt"])
+    raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+
+
+def _flat_message(m: Any) -> dict[str, Any]:
+    """A chat message with OpenAI's text content parts joined into its text (a newline apart)."""
+    if not isinstance(m, dict):
+        raise InvalidRequestError(f"a chat message is a dict, got {type(m).__name__}")
+    content = m.get("content")
+    if not isinstance(content, list):
+        return m
+    parts = [c for c in content if not (isinstance(c, dict) and c.get("type") == "text")]
+    if parts:
+        raise InvalidRequestError(f"only text content parts are supported, got {parts[0]!r:.80}")
+    return m | {"content": "\n".join(str(c.get("text", "")) for c in content)}  # vLLM's join
 
 
 def _progress(total: int) -> Any:

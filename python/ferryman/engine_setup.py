@@ -66,7 +66,8 @@ def resolve_device(device: str) -> torch.device:
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    f32, f16 = torch.float32, torch.float16
+    return {"float32": f32, "float": f32, "float16": f16, "half": f16, "bfloat16": torch.bfloat16}[dtype]
 
 
 def make_current(device: torch.device) -> None:

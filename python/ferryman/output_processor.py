@@ -38,9 +38,10 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self) -> None:
+    def __init__(self, eos_token_ids: list[int] | None = None) -> None:
         self.reqs: dict[int, RequestState] = {}  # by core id
         self._num_per_row = 0
+        self._eos = frozenset(eos_token_ids or ())  # an EOS ends with stop_reason None (vLLM's)
 
     def add(self, core_id: int, st: RequestState) -> None:
         st.per_row = st.params.output_kind != "final_only" or st.params.logprobs is not None
@@ -136,7 +137,8 @@ class OutputProcessor:
                 touched[ids[row]] = st
                 k, kind = ks[row], st.params.output_kind
                 last = int(all_toks[offs[f + 1] - 1]) if offs[f + 1] > offs[f] else -1
-                why = _stop_reason(st.params, reasons[row], stops[f], last)
+                eos = stops[f] < 0 and not st.params.ignore_eos and last in self._eos
+                why = None if eos else _stop_reason(st.params, reasons[row], stops[f], last)
                 if kind == "final_only":
                     o = CompletionOutput(k, texts[f], all_toks[offs[f] : offs[f + 1]].tolist(), reasons[row])
                     if st.logprobs:

@@ -148,12 +148,30 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # a matched stop string stays at the end of the text (vLLM's); by default the text ends before it
     include_stop_str_in_output: bool = False
-    # vLLM's: only the last k prompt tokens are kept (-1: the last max_model_len)
+    # vLLM's: only the last k prompt tokens are kept; -1: as many as leave room for max_tokens
+    # (max_model_len - 1 when max_tokens leaves none; vLLM keeps max_model_len)
     truncate_prompt_tokens: int | None = None
+    # vLLM's text options: only their defaults are served (special tokens never reach the text)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.seed == -1:  # vLLM's "no seed"
+            self.seed = None
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise ValueError(f"structured_outputs: {e}") from None
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be StructuredOutputsParams or a dict, got {so!r}")
+        for name in ("skip_special_tokens", "spaces_between_special_tokens", "detokenize"):
+            if getattr(self, name) is not True:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not supported (only True)")
         self.stop, self.stop_token_ids = self.stop or [], self.stop_token_ids or []
         _check_types(self)
         if self.n < 1:
@@ -176,7 +194,7 @@ class SamplingParams:
             raise ValueError("stop strings must not be empty")
         k = self.truncate_prompt_tokens
         if k is not None and k < 1 and k != -1:
-            raise ValueError(f"truncate_prompt_tokens must be >= 1 or -1 (max_model_len), got {k}")
+            raise ValueError(f"truncate_prompt_tokens must be >= 1 or -1 (to fit), got {k}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -209,11 +227,16 @@ class SamplingParams:
                 raise InvalidRequestError(f"{name} must be at most {most} (max_logprobs), got {v}")
 
     def truncated(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
-        """The prompt as ``truncate_prompt_tokens`` keeps it: its last k tokens."""
+        """The prompt as ``truncate_prompt_tokens`` keeps it: its last k tokens; -1: the last
+        ``max_model_len - max_tokens``, or ``max_model_len - 1`` when that leaves no prompt (an
+        open or too large ``max_tokens``: the output then gets what room is left)."""
         k = self.truncate_prompt_tokens
         if k is None:
             return prompt_token_ids
-        return prompt_token_ids[-(max_model_len if k == -1 else k) :]
+        if k == -1:
+            room = max_model_len - (self.max_tokens or max_model_len)
+            k = room if room >= 1 else max(1, max_model_len - 1)
+        return prompt_token_ids[-k:]
 
     @property
     def penalized(self) -> bool:

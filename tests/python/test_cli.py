@@ -42,7 +42,7 @@ def test_generate_chat_applies_the_template_and_an_empty_output_is_said(model_di
     args = ["generate", "Hello", "--model", str(model_dir), "--max-tokens", "6", *KNOBS]
     want = Engine(str(model_dir), block_size=4, calibrate=False).chat(
         [{"role": "user", "content": "Hello"}], SamplingParams(temperature=0, max_tokens=6)
-    )
+    )[0]
     assert ferryman(*args, "--chat") == want.outputs[0].text + "\n"
     assert ferryman(*args, "--chat", "--stream") == want.outputs[0].text + "\n"
     first = ferryman(*args)[len("Hello")]  # a stop string at the first character: no text
@@ -78,7 +78,7 @@ def test_generate_follows_a_grammar_and_says_why_one_is_refused(model_dir: Path)
 def test_chat_keeps_the_conversation_and_reset_forgets_it(model_dir: Path) -> None:
     eng = Engine(str(model_dir), block_size=4, num_device_blocks=64, num_host_blocks=0, calibrate=False)
     params = SamplingParams(temperature=0.0, max_tokens=6)
-    first = eng.chat([{"role": "user", "content": "hi"}], params).outputs[0].text
+    first = eng.chat([{"role": "user", "content": "hi"}], params)[0].outputs[0].text
     second = (
         eng.chat(
             [
@@ -87,11 +87,11 @@ def test_chat_keeps_the_conversation_and_reset_forgets_it(model_dir: Path) -> No
                 {"role": "user", "content": "more"},
             ],
             params,
-        )
+        )[0]
         .outputs[0]
         .text
     )
-    fresh = eng.chat([{"role": "user", "content": "more"}], params).outputs[0].text
+    fresh = eng.chat([{"role": "user", "content": "more"}], params)[0].outputs[0].text
     out = ferryman(
         "chat", "--model", str(model_dir), "--max-tokens", "6", *KNOBS, stdin="hi\nmore\n/reset\nmore\n\n"
     )

@@ -63,7 +63,7 @@ def test_default_model_matches_transformers_gguf_loader() -> None:
         assert o.outputs[0].text == tok.decode(o.outputs[0].token_ids, skip_special_tokens=True)
     reply = eng.chat(
         [{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0)
-    )
+    )[0]
     assert "Paris" in reply.outputs[0].text and reply.outputs[0].finish_reason == "stop"
     r = reply.outputs[0]
     assert r.text == tok.decode(r.token_ids, skip_special_tokens=True)

@@ -66,7 +66,7 @@ def test_a_chat_has_its_templates_bos_only(bos_model: tuple[Path, Any], engine: 
     path, tok = bos_model
     want = tok.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=False)
     assert want[0] == tok.bos_token_id and want.count(tok.bos_token_id) == 1
-    out = engine.chat(CHAT, GREEDY)
+    out = engine.chat(CHAT, GREEDY)[0]
     assert out.prompt_token_ids == want
     assert out.prompt == tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
     assert out.outputs[0].token_ids == hf_greedy(path, want, 8)

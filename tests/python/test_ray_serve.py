@@ -149,7 +149,7 @@ def test_completion_and_chat_match_the_offline_engine(server: RayServer, offline
     chat = client.chat.completions.create(
         model=model, messages=msgs, max_tokens=10, temperature=0, extra_body=EXTRA
     )
-    want = offline.chat(msgs, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    want = offline.chat(msgs, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0]
     assert chat.choices[0].message.content == want.outputs[0].text
     with pytest.raises(openai.BadRequestError):  # a replica's 400, with OpenAI's error body
         client.completions.create(model=model, prompt="x", max_tokens=2, temperature=-1)

@@ -172,7 +172,7 @@ def test_completions_plain_and_streamed_match_the_offline_engine(server: Server,
 
 def test_chat_plain_and_streamed(server: Server, offline: Engine) -> None:
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
-    want = offline.chat(msgs, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    want = offline.chat(msgs, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
     r = httpx.post(
         server.url + "/v1/chat/completions",
         json={"messages": msgs, **GREEDY, "logprobs": True, "top_logprobs": 2},

@@ -243,7 +243,9 @@ def test_smollm2_answers_in_json() -> None:
         }
     )
     for p in [SO(json_object=True), so]:
-        out = eng.chat(msgs, SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=p)).outputs[0]
+        out = eng.chat(msgs, SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=p))[
+            0
+        ].outputs[0]
         assert out.finish_reason == "stop", out.text
         value = json.loads(out.text)
         assert isinstance(value, dict) and (p.json is None or {"name", "age"} <= value.keys()), out.text

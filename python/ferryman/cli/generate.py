@@ -103,14 +103,15 @@ def _engine(a: argparse.Namespace) -> Engine:
 def run_generate(a: argparse.Namespace) -> int:
     engine = _engine(a)
     params = _sampling(a)
-    prompts = list(a.prompt)
+    prompts: list[str | list[int]] = list(a.prompt)
     if a.chat:
         tok = engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             print("--chat: this model has no chat template", file=sys.stderr)
             return 2
-        msgs = [[{"role": "user", "content": p}] for p in prompts]
-        prompts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in msgs]
+        msgs = [[{"role": "user", "content": p}] for p in a.prompt]
+        # the rendered chat's ids without the tokenizer's special tokens (its template has the BOS)
+        prompts = [chat_ids(engine, m) for m in msgs]
     if a.stream:
         for shown, prompt in zip(a.prompt, prompts, strict=True):
             sys.stdout.write("" if a.chat else shown)
@@ -131,7 +132,13 @@ def run_generate(a: argparse.Namespace) -> int:
     return 0
 
 
-def stream(engine: Engine, prompt: str, params: SamplingParams) -> Iterator[str]:
+def chat_ids(engine: Engine, messages: list[dict[str, str]]) -> list[int]:
+    """A conversation's prompt ids through the chat template, as ``Engine.chat`` makes them."""
+    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return engine.tokenize(text, add_special_tokens=False)[1]
+
+
+def stream(engine: Engine, prompt: str | list[int], params: SamplingParams) -> Iterator[str]:
     """Yields the text of one request as the engine steps (the core holds back a possible stop
     string until it is decided)."""
     rid = f"cli-{id(prompt)}"
@@ -164,9 +171,8 @@ def run_chat(a: argparse.Namespace) -> int:
             history = history[:1] if a.system else []
             continue
         history.append({"role": "user", "content": line})
-        prompt = tok.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
         reply = []
-        for delta in stream(engine, prompt, params):
+        for delta in stream(engine, chat_ids(engine, history), params):
             reply.append(delta)
             sys.stdout.write(delta)
             sys.stdout.flush()

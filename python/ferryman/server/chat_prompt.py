@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
+from ferryman.chat_template import open_final_message
 from ferryman.server import tools
 from ferryman.server.errors import ApiError
 from ferryman.server.schema_types import Body, Unsupported
@@ -33,7 +34,7 @@ class ChatMessage(Body):
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            return "\n".join(p.text for p in self.content)  # vLLM's join
         return self.content or ""
 
     def for_template(self) -> dict[str, Any]:
@@ -46,17 +47,6 @@ class ChatMessage(Body):
 
 def _invalid(message: str, param: str) -> ApiError:
     return ApiError(400, message, "invalid_request_error", param)
-
-
-def open_final_message(prompt: str, final: str) -> str:
-    """The rendered conversation cut right after the last message's text, so the model continues
-    that message instead of closing it (what transformers' ``continue_final_message`` does)."""
-    for text in (final, final.strip()):
-        at = prompt.rfind(text) if text else -1
-        if at >= 0:
-            return prompt[: at + len(text)]
-    said = "continue_final_message: the chat template does not render the last message's text"
-    raise _invalid(said, "messages")
 
 
 class ChatPrompt(Body):
@@ -116,7 +106,10 @@ class ChatPrompt(Body):
         except Exception as e:  # the template itself rejects the conversation
             raise _invalid(f"chat template: {e}", "messages") from None
         if self.continue_final_message:
-            prompt = open_final_message(prompt, self.messages[-1].text())
+            try:
+                prompt = open_final_message(prompt, self.messages[-1].text())
+            except ValueError as e:
+                raise _invalid(str(e), "messages") from None
         return prompt
 
 

@@ -1,0 +1,137 @@
+"""What a script written for vLLM's offline ``LLM`` does on ``Engine`` (from a migration trial):
+prompt dicts, ``chat`` over one or many conversations with vLLM's keywords, a ``max_tokens`` past
+``max_model_len`` cut to the room left, ``truncate_prompt_tokens=-1`` fitting the prompt,
+``seed=-1`` as no seed, a dict of structured outputs, vLLM's text flags at their defaults, an EOS
+that is also a stop token id reported with no stop reason, and vLLM's dtype names."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from tiny_models import CHAT_TEMPLATE, build
+
+from ferryman import Engine, InvalidRequestError, SamplingParams
+from ferryman.engine_args import EngineArgs
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build("llama", tmp_path_factory.mktemp("vllm"), tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def engine(path: Path) -> Engine:
+    return Engine(str(path), block_size=4, num_device_blocks=128, max_model_len=48, calibrate=False)
+
+
+def test_prompt_dicts_are_unwrapped(engine: Engine) -> None:
+    ids = engine.tokenizer.encode("hello there", add_special_tokens=False)
+    want = [o.outputs[0].token_ids for o in engine.generate(["hello there", ids], GREEDY)]
+    outs = engine.generate([{"prompt": "hello there"}, {"prompt_token_ids": ids}], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert outs[0].prompt == "hello there" and outs[1].prompt is None
+    assert engine.generate({"prompt_token_ids": ids}, GREEDY)[0].outputs[0].token_ids == want[1]
+    with pytest.raises(InvalidRequestError, match=r"multi_modal_data"):
+        engine.generate({"prompt": "x", "multi_modal_data": {}}, GREEDY)
+    with pytest.raises(InvalidRequestError, match="needs 'prompt'"):
+        engine.generate([{}], GREEDY)
+    assert not engine.has_unfinished_requests()
+
+
+def test_chat_takes_vllms_arguments(engine: Engine) -> None:
+    tok = engine.tokenizer
+    one = engine.chat(HI, GREEDY)
+    assert isinstance(one, list) and len(one) == 1
+    assert one[0].prompt == tok.apply_chat_template(HI, add_generation_prompt=True, tokenize=False)
+    other = [{"role": "user", "content": "hello"}]
+    both = engine.chat([HI, other], GREEDY)
+    assert [o.outputs[0].token_ids for o in both] == [
+        one[0].outputs[0].token_ids,
+        engine.chat(other, GREEDY)[0].outputs[0].token_ids,
+    ]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}]
+    joined = [{"role": "user", "content": "h\ni"}]  # parts a newline apart, as vLLM joins them
+    assert engine.chat(parts, GREEDY)[0].prompt_token_ids == engine.chat(joined, GREEDY)[0].prompt_token_ids
+    assert engine.chat(parts, GREEDY)[0].prompt_token_ids != one[0].prompt_token_ids
+    with pytest.raises(InvalidRequestError, match="only text content parts"):
+        engine.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], GREEDY)
+    # the last assistant message left open: the prompt ends with its text
+    opened = [*HI, {"role": "assistant", "content": "Sure, "}]
+    out = engine.chat(opened, GREEDY, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt is not None and out.prompt.endswith("Sure, ")
+    assert CHAT_TEMPLATE  # the template renders no generation prompt when asked not to
+    bare = engine.chat(HI, GREEDY, add_generation_prompt=False)[0]
+    assert bare.prompt == tok.apply_chat_template(HI, add_generation_prompt=False, tokenize=False)
+    with pytest.raises(InvalidRequestError, match="add_generation_prompt=False"):
+        engine.chat(opened, GREEDY, continue_final_message=True)
+    with pytest.raises(ValueError, match="2 conversations but 3"):
+        engine.chat([HI, other], [GREEDY] * 3)
+
+
+def test_max_tokens_past_max_model_len_is_cut_to_the_room_left(engine: Engine) -> None:
+    ids = list(range(3, 43))  # 40 of max_model_len 48
+    out = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].finish_reason == "length"
+    # -1 keeps as many of the prompt's last tokens as leave room for max_tokens
+    long = list(range(3, 103))
+    fit = SamplingParams(temperature=0.0, max_tokens=6, truncate_prompt_tokens=-1, ignore_eos=True)
+    out = engine.generate([long], fit)[0]
+    assert out.prompt_token_ids == long[-42:] and len(out.outputs[0].token_ids) == 6
+    # a max_tokens that leaves no prompt keeps max_model_len - 1 tokens and one output token
+    out = engine.generate([long], dataclasses.replace(fit, max_tokens=100))[0]
+    assert out.prompt_token_ids == long[-47:] and len(out.outputs[0].token_ids) == 1
+    with pytest.raises(InvalidRequestError, match="max_model_len"):  # a prompt that leaves no room
+        engine.generate([long], GREEDY)
+
+
+def test_vllms_sentinels_and_shapes_of_sampling_params() -> None:
+    assert SamplingParams(seed=-1).seed is None  # vLLM's "no seed"
+    p = SamplingParams(structured_outputs={"choice": ["yes", "no"]})
+    assert p.structured_outputs is not None and p.structured_outputs.spec() == ("choice", '["yes", "no"]')
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"colour": "red"})
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs="json")  # type: ignore[arg-type]
+    SamplingParams(skip_special_tokens=True, spaces_between_special_tokens=True, detokenize=True)
+    for flag in ("skip_special_tokens", "spaces_between_special_tokens", "detokenize"):
+        with pytest.raises(ValueError, match=f"{flag}=False is not supported"):
+            SamplingParams(**{flag: False})
+
+
+def test_unseeded_samples_differ_and_a_structured_dict_is_served(engine: Engine) -> None:
+    free = SamplingParams(temperature=1.0, seed=-1, max_tokens=8, ignore_eos=True)
+    assert len({tuple(engine.generate(["hi"] * 4, free)[i].outputs[0].token_ids) for i in range(4)}) > 1
+    picked = engine.generate(
+        "hi", SamplingParams(temperature=1.0, structured_outputs={"choice": ["ab", "ba"]})
+    )
+    assert picked[0].outputs[0].text in ("ab", "ba")
+
+
+def test_an_eos_in_stop_token_ids_has_no_stop_reason(engine: Engine) -> None:
+    eos = engine.eos_token_ids[0]
+    bias = {eos: 100.0}  # the EOS is sampled first
+    out = engine.generate(
+        "hi", SamplingParams(temperature=0.0, max_tokens=4, logit_bias=bias, stop_token_ids=[eos])
+    )
+    assert out[0].outputs[0].finish_reason == "stop" and out[0].outputs[0].stop_reason is None
+    other = (eos + 1) % 259
+    out = engine.generate(
+        "hi", SamplingParams(temperature=0.0, max_tokens=4, logit_bias={other: 100.0}, stop_token_ids=[other])
+    )
+    assert out[0].outputs[0].stop_reason == other
+
+
+def test_vllms_dtype_names() -> None:
+    import torch
+
+    from ferryman.engine_setup import resolve_dtype
+
+    EngineArgs(dtype="half")
+    EngineArgs(dtype="float")
+    assert resolve_dtype("half", torch.device("cpu")) == torch.float16
+    assert resolve_dtype("float", torch.device("cpu")) == torch.float32

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -61,11 +62,14 @@ def test_n_streams_one_choice_per_chunk(client: TestClient, path: str) -> None:
     assert ends == dict.fromkeys(want, "length")
 
 
-def test_a_model_is_retrieved_by_its_id(client: TestClient) -> None:
+def test_a_model_is_retrieved_by_its_id(client: TestClient, engine: Engine) -> None:
     r = client.get("/v1/models/tiny")
     assert r.status_code == 200 and r.json()["id"] == "tiny" and r.json()["object"] == "model"
     r = client.get("/v1/models/other")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    with TestClient(build_app(AsyncEngine(engine), "org/tiny")) as c:  # a Hub id: slashes in the name
+        assert c.get("/v1/models/org/tiny").json()["id"] == "org/tiny"
+        assert c.get("/v1/models/tiny").json()["error"]["code"] == "model_not_found"
 
 
 def test_browsers_may_call_from_the_allowed_origins(client: TestClient, engine: Engine) -> None:
@@ -138,3 +142,42 @@ def test_a_body_that_is_not_json_is_a_415_that_says_so(client: TestClient) -> No
         "/v1/completions", content=data, headers={"Content-Type": "application/json; charset=utf-8"}
     )
     assert ok.status_code == 200
+
+
+def test_a_client_that_leaves_a_plain_request_aborts_it(tmp_path: Path) -> None:
+    """Over a real socket (uvicorn): the middlewares must not hide the disconnect the
+    non-streamed routes abort on (Starlette's BaseHTTPMiddleware did)."""
+    import socket
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    path = build("llama", tmp_path, tokenizer=True, max_position_embeddings=4096)
+    eng = Engine(str(path), block_size=16, num_device_blocks=512, max_model_len=4096, calibrate=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(build_app(AsyncEngine(eng), "t"), port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(200):
+            try:
+                httpx.get(url + "/health")
+                break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        body = {"prompt": "hi", "max_tokens": 4000, "ignore_eos": True}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(url + "/v1/completions", json=body, timeout=1.0)
+        deadline = time.monotonic() + 60
+        while eng._core_ids and time.monotonic() < deadline:
+            time.sleep(0.1)
+        # aborted, not run to its 4,000 tokens
+        assert eng.scheduler.stats()["num_forks_aborted"] == 1, "the request ran on after its client left"
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -25,8 +25,8 @@ def register(sub: Any) -> None:
         nargs="*",
         default=["*"],
         metavar="ORIGIN",
-        help="origins a browser may call the API from (CORS; default: * , every origin; none given: "
-        "no CORS headers)",
+        help="origins a browser may call the API from (CORS; default: *, every origin, so any web page "
+        "may call this server; none given: no CORS headers)",
     )
     s.add_argument(
         "--shutdown-timeout",
@@ -94,6 +94,12 @@ def run(a: argparse.Namespace) -> int:
 def _run_ray(a: argparse.Namespace) -> int:
     if a.trace is not None:
         print("ferryman serve: error: --trace is not supported with --ray", file=sys.stderr)
+        return 2
+    if a.allowed_origins != ["*"]:
+        print(
+            "ferryman serve: error: --allowed-origins is not supported with --ray (replicas allow *)",
+            file=sys.stderr,
+        )
         return 2
     try:
         from ferryman.server.ray_serve import serve_replicas

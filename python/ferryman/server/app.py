@@ -125,7 +125,7 @@ def build_app(
     async def models() -> api.ModelList:
         return api.ModelList(data=[api.ModelCard(id=served_model_name, max_model_len=max_model_len)])
 
-    @app.get("/v1/models/{model}", responses=ERRORS)
+    @app.get("/v1/models/{model:path}", responses=ERRORS)  # a served name may hold slashes
     async def model(model: str) -> api.ModelCard:
         """OpenAI's model retrieval: the served model's card, else 404."""
         check_model(model)

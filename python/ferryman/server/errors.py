@@ -47,16 +47,30 @@ def _member(loc: Any) -> bool:
     return isinstance(loc, str) and loc.startswith(("function-after[", "function-before[", "function-wrap["))
 
 
+class JsonBodies:
+    """ASGI middleware: a POST body sent as something else than JSON (``curl -d`` sends a form
+    type unless told) is a 415 that says so, not a validation error about a dictionary (vLLM's
+    rule). Plain ASGI, not ``BaseHTTPMiddleware``: that one hides a client's disconnect from the
+    handlers (``Request.is_disconnected``), which the non-streamed routes abort on."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            given = dict(scope["headers"]).get(b"content-type")
+            if given is not None and not _is_json(given.decode("latin-1")):
+                said = "the request body must be JSON, sent with Content-Type: application/json"
+                response = error_response(
+                    ApiError(415, f"{said} (got {given.decode('latin-1')!r})", "invalid_request_error")
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    @app.middleware("http")
-    async def _json_only(request: Request, call_next: Any) -> Any:
-        """A POST body sent as something else than JSON (``curl -d`` sends a form type unless told)
-        is a 415 that says so, not a validation error about a dictionary (vLLM's rule)."""
-        given = request.headers.get("content-type")
-        if request.method == "POST" and given is not None and not _is_json(given):
-            said = f"the request body must be JSON, sent with Content-Type: application/json (got {given!r})"
-            return error_response(ApiError(415, said, "invalid_request_error"))
-        return await call_next(request)
+    app.add_middleware(JsonBodies)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError) -> JSONResponse:

@@ -114,10 +114,10 @@ fn stream_after(tok: &Tokenizer, prompt: &[u32], ids: &[u32]) -> String {
     let mut s = SeqText::new(tok, &[] as &[&str]).after_prompt(tok, prompt);
     let mut out = Vec::new();
     for &id in ids {
-        s.push(tok, id).expect("push");
+        _ = s.push(tok, id).expect("push");
         s.take_delta(&mut out);
     }
-    s.finish();
+    _ = s.finish();
     s.take_delta(&mut out);
     String::from_utf8(out).expect("UTF-8")
 }

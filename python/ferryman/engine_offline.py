@@ -54,6 +54,14 @@ class OfflineMixin:
             d["max_tokens"] = None  # the engine caps it: min(its max_new_tokens, the room left)
         return SamplingParams(**d)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's name for ``default_sampling_params``."""
+        return self.default_sampling_params()
+
+    def get_tokenizer(self) -> Any:
+        """vLLM's: the engine's tokenizer (None for a model without one)."""
+        return self.tokenizer
+
     def generate(
         self,
         prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict],

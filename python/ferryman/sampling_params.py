@@ -3,6 +3,7 @@ StructuredOutputsParams: the grammar a request's output must follow."""
 
 from __future__ import annotations
 
+import copy
 import json
 import operator
 from dataclasses import dataclass, field
@@ -237,6 +238,10 @@ class SamplingParams:
             room = max_model_len - (self.max_tokens or max_model_len)
             k = room if room >= 1 else max(1, max_model_len - 1)
         return prompt_token_ids[-k:]
+
+    def clone(self) -> SamplingParams:
+        """vLLM's: a copy whose lists and dicts are its own (``stop``, ``logit_bias``, ...)."""
+        return copy.deepcopy(self)
 
     @property
     def penalized(self) -> bool:

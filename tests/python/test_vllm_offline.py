@@ -135,3 +135,15 @@ def test_vllms_dtype_names() -> None:
     EngineArgs(dtype="float")
     assert resolve_dtype("half", torch.device("cpu")) == torch.float16
     assert resolve_dtype("float", torch.device("cpu")) == torch.float32
+
+
+def test_vllms_accessor_names(engine: Engine) -> None:
+    assert engine.get_tokenizer() is engine.tokenizer
+    assert engine.get_default_sampling_params() == engine.default_sampling_params()
+    p = SamplingParams(stop=["x"], logit_bias={3: 1.0}, seed=4)
+    q = p.clone()
+    assert q == p and q is not p
+    q.stop.append("y")
+    assert q.logit_bias is not None
+    q.logit_bias[5] = 2.0
+    assert p.stop == ["x"] and p.logit_bias == {3: 1.0}

@@ -53,15 +53,7 @@ def run(eng: Engine, so: StructuredOutputsParams | None, n: int, max_tokens: int
         f"Describe person number {i} (name, age, hobbies) in a short answer." for i in range(n)
     ]
     if getattr(eng.tokenizer, "chat_template", None):  # an instruct model: ask through its template
-        prompts = [  # the template writes the BOS: no special tokens of the tokenizer's
-            eng.tokenize(
-                eng.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
-                ),
-                add_special_tokens=False,
-            )[1]
-            for p in prompts
-        ]
+        prompts = [eng.render_chat([{"role": "user", "content": p}])[1] for p in prompts]
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=so)
     before = eng.scheduler.stats()
     applied = [0, 0]  # calls, ns

@@ -76,12 +76,18 @@ class OfflineMixin:
         ``max_model_len`` is cut to the room the prompt leaves (finish_reason "length" there)."""
         one = isinstance(prompts, str | dict) or (len(prompts) > 0 and isinstance(prompts[0], Integral))
         plist = [_plain(p) for p in ([prompts] if one else cast(Sequence[Any], prompts))]
-        if sampling_params is None:
-            sampling_params = self.default_sampling_params()
-        params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(plist)
-        if len(params) != len(plist):
-            raise ValueError(f"{len(plist)} prompts but {len(params)} sampling parameter sets")
+        params = self._per_prompt(sampling_params, len(plist), "prompts")
         return self._run(plist, [None] * len(plist), params, use_tqdm)
+
+    def _per_prompt(
+        self, given: SamplingParams | Sequence[SamplingParams] | None, n: int, what: str
+    ) -> list[SamplingParams]:
+        """One parameter set per prompt: the given list, the one set for all, or the defaults."""
+        sp = self.default_sampling_params() if given is None else given
+        params = list(sp) if isinstance(sp, Sequence) else [sp] * n
+        if len(params) != n:
+            raise ValueError(f"{n} {what} but {len(params)} sampling parameter sets")
+        return params
 
     def _run(
         self,
@@ -152,39 +158,48 @@ class OfflineMixin:
         ``continue_final_message`` leaves the last (assistant) message open for the model to
         continue; ``chat_template_kwargs`` are extra template variables. The rendered text is
         tokenized without the tokenizer's special tokens (the template writes its own)."""
+        convs = cast(list[Any], [messages] if messages and isinstance(messages[0], dict) else messages)
+        rendered = [
+            self.render_chat(c, add_generation_prompt, continue_final_message, chat_template_kwargs, tools)
+            for c in convs
+        ]
+        params = self._per_prompt(sampling_params, len(rendered), "conversations")
+        texts: list[Prompt] = [text for text, _ in rendered]
+        return self._run(texts, [ids for _, ids in rendered], params, use_tqdm)
+
+    def render_chat(
+        self,
+        conversation: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> tuple[str, list[int]]:
+        """One conversation's prompt as ``chat`` sends it: the template's text, and its ids
+        without the tokenizer's special tokens (the template writes its own BOS)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model has no chat template")
         if continue_final_message and add_generation_prompt:
             raise InvalidRequestError("continue_final_message needs add_generation_prompt=False")
-        convs = cast(list[Any], [messages] if messages and isinstance(messages[0], dict) else messages)
-        texts: list[Prompt] = []
-        ids: list[list[int] | None] = []
-        for conv in convs:
-            turns = [_flat_message(m) for m in conv]
+        turns = [_flat_message(m) for m in conversation]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                turns,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **(chat_template_kwargs or {}),
+            )
+        except Exception as e:  # the template refuses the conversation (a message without content, ...)
+            raise InvalidRequestError(f"chat template: {e}") from None
+        if continue_final_message:
+            if not turns or turns[-1]["role"] != "assistant":
+                raise InvalidRequestError("continue_final_message needs a last message of the assistant")
             try:
-                text = self.tokenizer.apply_chat_template(
-                    turns,
-                    tools=tools,
-                    add_generation_prompt=add_generation_prompt,
-                    tokenize=False,
-                    **(chat_template_kwargs or {}),
-                )
-            except Exception as e:  # the template refuses the conversation (a message without content, ...)
-                raise InvalidRequestError(f"chat template: {e}") from None
-            if continue_final_message:
-                if not turns or turns[-1]["role"] != "assistant":
-                    raise InvalidRequestError("continue_final_message needs a last message of the assistant")
-                try:
-                    text = open_final_message(text, str(turns[-1]["content"]))
-                except ValueError as e:
-                    raise InvalidRequestError(str(e)) from None
-            texts.append(text)
-            ids.append(self.tokenize(text, add_special_tokens=False)[1])
-        sp = self.default_sampling_params() if sampling_params is None else sampling_params
-        params = list(sp) if isinstance(sp, Sequence) else [sp] * len(texts)
-        if len(params) != len(texts):
-            raise ValueError(f"{len(texts)} conversations but {len(params)} sampling parameter sets")
-        return self._run(texts, ids, params, use_tqdm)
+                text = open_final_message(text, str(turns[-1]["content"]))
+            except ValueError as e:
+                raise InvalidRequestError(str(e)) from None
+        return text, self.tokenize(text, add_special_tokens=False)[1]
 
 
 def _plain(p: Any) -> Prompt:

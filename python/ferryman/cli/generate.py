@@ -110,8 +110,7 @@ def run_generate(a: argparse.Namespace) -> int:
             print("--chat: this model has no chat template", file=sys.stderr)
             return 2
         msgs = [[{"role": "user", "content": p}] for p in a.prompt]
-        # the rendered chat's ids without the tokenizer's special tokens (its template has the BOS)
-        prompts = [chat_ids(engine, m) for m in msgs]
+        prompts = [engine.render_chat(m)[1] for m in msgs]  # as Engine.chat sends them
     if a.stream:
         for shown, prompt in zip(a.prompt, prompts, strict=True):
             sys.stdout.write("" if a.chat else shown)
@@ -130,12 +129,6 @@ def run_generate(a: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     return 0
-
-
-def chat_ids(engine: Engine, messages: list[dict[str, str]]) -> list[int]:
-    """A conversation's prompt ids through the chat template, as ``Engine.chat`` makes them."""
-    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return engine.tokenize(text, add_special_tokens=False)[1]
 
 
 def stream(engine: Engine, prompt: str | list[int], params: SamplingParams) -> Iterator[str]:
@@ -172,7 +165,7 @@ def run_chat(a: argparse.Namespace) -> int:
             continue
         history.append({"role": "user", "content": line})
         reply = []
-        for delta in stream(engine, chat_ids(engine, history), params):
+        for delta in stream(engine, engine.render_chat(history)[1], params):
             reply.append(delta)
             sys.stdout.write(delta)
             sys.stdout.flush()

@@ -17,6 +17,7 @@ impl Scheduler {
         kv.check()?;
         let mut num_live = 0;
         let mut num_rows = 0;
+        let mut num_host_held = 0; // host blocks of swapped requests
         self.batch.check()?;
         for (idx, req) in self.reqs.iter() {
             let (table, host_table) = (kv.table(idx), kv.host_table(idx));
@@ -63,6 +64,7 @@ impl Scheduler {
                     {
                         return Err(format!("{id}'s host table does not match its computed tokens"));
                     }
+                    num_host_held += host_table.len();
                 }
             }
             if let Some(row) = r.row {
@@ -101,10 +103,9 @@ impl Scheduler {
         if c.num_preemptions_recompute + c.num_preemptions_swap != c.num_events {
             return Err("preemption counters differ from the events emitted".into());
         }
-        let held: usize = self.reqs.iter().map(|(idx, _)| self.kv.host_table(idx).len()).sum();
-        if c.num_blocks_swapped_out != c.num_blocks_swapped_in + c.num_blocks_swap_dropped + held as u64 {
+        if c.num_blocks_swapped_out != c.num_blocks_swapped_in + c.num_blocks_swap_dropped + num_host_held as u64 {
             return Err(format!(
-                "blocks swapped out {} != in {} + dropped {} + held on the host {held}",
+                "blocks swapped out {} != in {} + dropped {} + held on the host {num_host_held}",
                 c.num_blocks_swapped_out, c.num_blocks_swapped_in, c.num_blocks_swap_dropped
             ));
         }

@@ -273,14 +273,24 @@ def main() -> None:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="a tiny dry run on CPU (what CI checks)")
+    p.add_argument("--out", help="also write the report here after every section (a timeout keeps those)")
     a = p.parse_args()
     dev = torch.device("cpu" if a.smoke else "cuda")
     name = "cpu (smoke)" if a.smoke else torch.cuda.get_device_name()
     report: dict[str, Any] = {"gpu": name, "torch": torch.__version__}
+
+    def save() -> None:
+        if a.out:
+            Path(a.out).write_text(json.dumps(report))
+
     n, layers = (8, 2) if a.smoke else (1024, 32)
     report["swap"] = [swap_bandwidth(16, dev, n, layers), swap_bandwidth(64, dev, n, layers)]
+    save()
     model = random_llama(dev, a.smoke)
-    report["decode"] = [decode_and_prefill(model, int(b), a.context, a.steps) for b in a.batches.split(",")]
+    report["decode"] = []
+    for b in a.batches.split(","):
+        report["decode"].append(decode_and_prefill(model, int(b), a.context, a.steps))
+        save()
     del model
     for row in report["decode"]:  # the whole Engine.step() beside the runner alone (decode_step_ms)
         try:
@@ -293,6 +303,7 @@ def main() -> None:
         # and over its forward + sampling part alone
         row["engine_step_over_runner"] = round(engine_s * 1e3 / row["decode_step_ms"], 3)
         row["engine_step_over_forward"] = round(engine_s * 1e3 / row["decode_forward_ms"], 3)
+        save()
     print(json.dumps(report))
 
 

@@ -94,3 +94,21 @@ def test_gpu_overlap_script_dry_runs_on_cpu() -> None:
     for mode in ("sync", "async"):
         r = report[mode]
         assert 0 < r["busy_ms"] <= r["span_ms"] and 0 <= r["idle_of_span"] < 1 and r["step_ms"] > 0
+
+
+def test_gpu_ceilings_script_dry_runs_on_cpu() -> None:
+    """benchmarks/gpu_ceilings.py (copy bandwidth, the projections' GEMMs) on tiny shapes."""
+    p = subprocess.run(
+        [sys.executable, str(BENCH / "gpu_ceilings.py"), "--smoke", "--batches", "1,4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    report = json.loads(p.stdout)
+    assert report["copy_GBps"] > 0
+    rows = report["projections"]
+    assert [(r["name"], r["batch"]) for r in rows[:5]] == [
+        ("qkv", 1), ("o", 1), ("gate_up", 1), ("down", 1), ("lm_head", 1)
+    ]  # fmt: skip
+    assert len(rows) == 10 and all(r["us"] > 0 and r["of_copy"] >= 0 for r in rows)

@@ -8,7 +8,8 @@ CUDA, and FlashInfer for the attention backend).
 - the scheduler's share of a decode step: ``schedule()`` + ``update()`` through the binding, over
   the step's wall time (the runner's own Python, plans and input tensors, overlaps the GPU's work
   and is inside the synchronised forward time);
-- swap bandwidth (device -> host -> device, GB/s) for block sizes 16 and 64, blocks scattered,
+- swap bandwidth (device -> host -> device, GB/s) for block sizes 16 and 64, blocks scattered
+  on the device, as the pool runs it (staged on CUDA: ``worker/kv_cache.py``) and run by run,
   against one plain pinned ``copy_`` of a buffer of the same size;
 - CUDA graphs vs eager decode: the same runner's median decode step with its graphs, then with
   them switched off, at each batch size (graphs only exist on CUDA with FlashInfer);
@@ -222,49 +223,52 @@ def engine_steps(smoke: bool, device: torch.device, batch: int, ctx: int, steps:
 
 
 def swap_bandwidth(
-    block_size: int, dev: torch.device, num_blocks: int = 1024, layers: int = 32
+    block_size: int, dev: torch.device, num_blocks: int = 1024, layers: int = 32, reps: int = 3
 ) -> dict[str, Any]:
-    """Llama-3-8B's KV block (32 layers, 8 KV heads of 128) unless ``layers`` says otherwise."""
+    """Llama-3-8B's KV block (32 layers, 8 KV heads of 128) unless ``layers`` says otherwise:
+    ``num_blocks`` scattered device blocks swapped out to consecutive host blocks and back, as
+    the pool does it (staged on CUDA) and copied run by run (no staging), against one plain
+    pinned copy of the same bytes; medians of ``reps``."""
     kv = KvCache(layers, num_blocks * 2, num_blocks, block_size, 8, 128, torch.bfloat16, dev)
     nbytes = num_blocks * KvCache.bytes_per_block(layers, block_size, 8, 128, torch.bfloat16)
     rng = np.random.default_rng(block_size)
     src = rng.permutation(np.arange(1, num_blocks * 2 + 1))[:num_blocks].astype(np.int32)  # scattered
     host = np.arange(1, num_blocks + 1, dtype=np.int32)
     out_plan, in_plan, none = np.stack([src, host], 1), np.stack([host, src], 1), np.zeros((0, 2), np.int32)
-    kv.run_plans(out_plan, none, none)  # warm-up
-    sync()
-    t = time.perf_counter()
-    kv.run_plans(out_plan, none, none)
-    sync()
-    t_out = time.perf_counter() - t
-    t = time.perf_counter()
-    kv.run_plans(none, in_plan, none)
-    sync()
-    t_in = time.perf_counter() - t
+
+    def timed(fn: Any) -> float:
+        times = []
+        for _ in range(reps):
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t)
+        return float(np.median(times))
+
+    gb = nbytes / 1e9
+    row: dict[str, Any] = {"block_size": block_size, "bytes": nbytes}
+    staging = kv._staging
+    for mode in ("staged", "per_run"):
+        kv._staging = staging if mode == "staged" else None
+        kv.run_plans(out_plan, none, none)  # warm-up
+        kv.run_plans(none, in_plan, none)
+        t_out = timed(lambda: kv.run_plans(out_plan, none, none))
+        t_in = timed(lambda: kv.run_plans(none, in_plan, none))
+        row[mode] = {"out_GBps": round(gb / t_out, 2), "in_GBps": round(gb / t_in, 2), "s": t_out + t_in}
+    kv._staging = staging
     a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     b = torch.empty(nbytes, dtype=torch.uint8, pin_memory=dev.type == "cuda")
     b.copy_(a)
-    sync()
-    t = time.perf_counter()
-    b.copy_(a, non_blocking=True)
-    sync()
-    base_out = time.perf_counter() - t
-    t = time.perf_counter()
-    a.copy_(b, non_blocking=True)
-    sync()
-    base_in = time.perf_counter() - t
-    gb = nbytes / 1e9
-    swap = 2 * gb / (t_out + t_in)
-    plain = 2 * gb / (base_out + base_in)
-    return {
-        "block_size": block_size,
-        "bytes": nbytes,
-        "swap_out_GBps": round(gb / t_out, 2),
-        "swap_in_GBps": round(gb / t_in, 2),
-        "plain_copy_out_GBps": round(gb / base_out, 2),
-        "plain_copy_in_GBps": round(gb / base_in, 2),
-        "swap_vs_plain": round(swap / plain, 3),
-    }
+    base_out = timed(lambda: b.copy_(a, non_blocking=True))
+    base_in = timed(lambda: a.copy_(b, non_blocking=True))
+    row["plain_copy_out_GBps"] = round(gb / base_out, 2)
+    row["plain_copy_in_GBps"] = round(gb / base_in, 2)
+    for mode in ("staged", "per_run"):  # time over time: the same bytes both ways
+        row[mode]["of_plain_copy"] = round((base_out + base_in) / row[mode].pop("s"), 3)
+    row["swap_vs_plain"] = row["staged" if staging is not None else "per_run"]["of_plain_copy"]
+    row["staging_blocks"] = 0 if staging is None else len(staging)
+    return row
 
 
 def main() -> None:

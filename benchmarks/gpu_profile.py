@@ -34,9 +34,12 @@ import torch
 from gpu_bench import decode_steps, prepare, random_llama, sync
 from torch.profiler import DeviceType, ProfilerActivity, profile
 
-# first match wins, in this order; names are lower-cased before matching. torch.cat's kernel is
+# first match wins, in this order; names are lower-cased before matching. The KV write (an
+# index_put) counts as a copy. torch.cat's kernel is
 # RoPE's rotate_half (and the cos/sin table), not a copy of data.
 CLASSES: list[tuple[str, tuple[str, ...]]] = [
+    # FlashInfer's fused elementwise kernels (their names start "flashinfer::" too)
+    ("norm_rope_act", ("norm::", "activation::", "rotary", "rmsnorm")),
     ("attention", ("flashinfer", "batchdecode", "batchprefill", "attention")),
     ("gemm", ("gemm", "cublas", "cutlass", "nvjet", "xmma", "wgmma", "splitkreduce", "aten::mm")),
     ("sampler", ("argmax", "argmin", "topk", "sort", "softmax", "multinomial", "exponential")),

@@ -91,6 +91,81 @@ def test_kv_writer_writes_each_slot_at_its_block_and_offset() -> None:
     assert kv.device_kv.count_nonzero() == 2 * k.count_nonzero()  # nothing else was written
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_kv_writer_writes_k_and_v_of_one_qkv_buffer_in_one_go(rows: int) -> None:
+    """K and V as the model hands them over (views of its qkv rows, V right after K) take the
+    one-launch write; a copy of either takes the two-launch one; both land the same."""
+    from ferryman.attention.base import KvWriter, _side_by_side
+    from ferryman.worker.kv_cache import KvCache
+
+    bs, hq, hkv, d = 4, 4, 2, 3
+    qkv = torch.randn(rows + 2, (hq + 2 * hkv) * d)[:rows]  # rows of a larger buffer
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    k, v = k.view(rows, hkv, d), v.view(rows, hkv, d)
+    both = _side_by_side(k, v)
+    assert both is not None and torch.equal(both[:, 0], k) and torch.equal(both[:, 1], v)
+    assert _side_by_side(k.clone(), v) is None and _side_by_side(v, k) is None
+    assert _side_by_side(q.view(rows, hq, d)[:, :hkv], k) is None  # not adjacent
+    slots = torch.tensor([5, 14, 21][:rows])
+    pools = []
+    for kk, vv in [(k, v), (k.clone(), v.clone())]:
+        kv = KvCache(2, 6, 0, bs, hkv, d, torch.float16, torch.device("cpu"))
+        writer = KvWriter(bs, torch.device("cpu"))
+        writer.map(slots)
+        writer.write(kv.layers()[1], kk, vv)
+        pools.append(kv.device_kv)
+    assert torch.equal(pools[0], pools[1])
+    for i, s in enumerate(slots.tolist()):
+        assert torch.equal(pools[0][s // bs, 1, 0, s % bs], k[i].half())
+        assert torch.equal(pools[0][s // bs, 1, 1, s % bs], v[i].half())
+    assert pools[0].count_nonzero() == 2 * k.count_nonzero()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_staged_swaps_move_what_copying_each_run_moves(seed: int) -> None:
+    """The staging path (device blocks gathered into a buffer of 3 blocks, copied by host runs;
+    scattered back on swap-in) against plain run copies, on random plans: scattered device
+    blocks with host blocks in runs or scattered, swap-out then swap-in in one step."""
+    from ferryman.worker.kv_cache import KvCache, host_runs
+
+    rng = np.random.default_rng(seed)
+    pools = [KvCache(2, 40, 30, 2, 1, 4, torch.float32, torch.device("cpu"), staging=s) for s in (None, 3)]
+    start = torch.randn_like(pools[0].device_kv)
+    for kv in pools:
+        kv.device_kv.copy_(start)
+        kv.host_kv.fill_(0.0)
+    for _ in range(3):
+        n = int(rng.integers(1, 12))
+        dev = rng.permutation(np.arange(1, 41))[: 2 * n].astype(np.int32)
+        if rng.random() < 0.5:
+            base = int(rng.integers(1, 30 - n + 2))
+            host = np.arange(base, base + n, dtype=np.int32)
+        else:
+            host = rng.permutation(np.arange(1, 31))[:n].astype(np.int32)
+        out = np.stack([dev[:n], host], 1)
+        back = np.stack([host[::-1], dev[n:]], 1)  # swapped back in elsewhere
+        for kv in pools:
+            kv.run_plans(out, np.zeros((0, 2), np.int32), np.zeros((0, 2), np.int32))
+            kv.run_plans(np.zeros((0, 2), np.int32), back, np.zeros((0, 2), np.int32))
+        assert host_runs(host) >= 1
+    assert torch.equal(pools[0].device_kv, pools[1].device_kv)
+    assert torch.equal(pools[0].host_kv, pools[1].host_kv)
+    assert pools[0].num_staged_swaps == 0 and pools[1].num_staged_swaps > 0
+
+
+def test_a_plan_is_staged_only_where_that_saves_host_copies() -> None:
+    from ferryman.worker.kv_cache import KvCache
+
+    kv = KvCache(1, 20, 20, 2, 1, 4, torch.float32, torch.device("cpu"), staging=4)
+    none = np.zeros((0, 2), np.int32)
+    kv.run_plans(np.array([[3, 1], [4, 2], [5, 3]], np.int32), none, none)  # one run already
+    assert kv.num_staged_swaps == 0
+    kv.run_plans(np.array([[9, 4], [2, 5], [7, 6], [11, 7]], np.int32), none, none)  # 4 runs -> 1
+    assert kv.num_staged_swaps == 1
+    kv.run_plans(np.array([[12, 9], [14, 11], [16, 13]], np.int32), none, none)  # scattered both
+    assert kv.num_staged_swaps == 1
+
+
 def test_contiguous_runs_group_block_pairs() -> None:
     from ferryman.worker.kv_cache import contiguous_runs
 

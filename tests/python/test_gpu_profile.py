@@ -35,6 +35,11 @@ def test_busy_time_is_the_union_of_the_intervals(gp) -> None:  # type: ignore[no
     ("name", "cls"),
     [
         ("void flashinfer::BatchPrefillWithPagedKVCacheKernel<...>", "attention"),
+        ("void flashinfer::PersistentVariableLengthMergeStatesKernel<8u, 16u>", "attention"),
+        # FlashInfer's fused elementwise kernels (names seen on an H200)
+        ("void flashinfer::norm::FusedAddRMSNormKernel<8u, __nv_bfloat16>(__nv_bfloat16*)", "norm_rope_act"),
+        ("void flashinfer::activation::act_and_mul_kernel<__nv_bfloat16, &(silu(float))>", "norm_rope_act"),
+        ("void flashinfer::BatchQKApplyRotaryPosIdsCosSinCacheHeadParallelismKernel<false>", "norm_rope_act"),
         ("nvjet_tst_128x64_64x8_1x1_v_bz_coopB_TNT", "gemm"),
         ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
         ("void splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>", "gemm"),

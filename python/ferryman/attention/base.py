@@ -72,6 +72,23 @@ class KvWriter:
         self.blk, self.off = slots // self.block_size, slots % self.block_size
 
     def write(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Writes K and V ``[T, Hkv, D]`` into one layer's view, cast to the cache's dtype."""
+        """Writes K and V ``[T, Hkv, D]`` into one layer's view, cast to the cache's dtype: one
+        index_put where V follows K in memory row by row (the model's views of its qkv buffer,
+        with RoPE applied in place), else one each."""
+        kv = _side_by_side(k, v)
+        if kv is not None:
+            cache[self.blk, :, self.off] = kv.to(cache.dtype)
+            return
         cache[self.blk, 0, self.off] = k.to(cache.dtype)
         cache[self.blk, 1, self.off] = v.to(cache.dtype)
+
+
+def _side_by_side(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """``[T, 2, Hkv, D]``, a view of K and V together, when each row of ``v`` starts right after
+    the same row of ``k`` ends (same strides, each row's heads contiguous); else None."""
+    t, h, d = k.shape
+    if v.shape != k.shape or v.stride() != k.stride() or v.dtype != k.dtype or k.stride()[1:] != (d, 1):
+        return None
+    if v.data_ptr() - k.data_ptr() != h * d * k.element_size():
+        return None
+    return k.as_strided((t, 2, h, d), (k.stride(0), h * d, d, 1))

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ferryman._core import RequestParams, Scheduler, SchedulerConfig
-from ferryman.worker.kv_cache import KvCache
+from ferryman.worker.kv_cache import KvCache, staging_blocks
 from ferryman.worker.model_runner import ModelRunner
 from ferryman.worker.sampler import Filters, sample_random
 
@@ -81,7 +81,7 @@ def profile_kv_blocks(
     full token budget on a throw-away pool, and the sampler over ``max_num_seqs`` random rows
     with every filter (its sort of the vocabulary is its peak), then give KV what is left of
     ``total * gpu_memory_utilization`` after the weights, the larger of those two peaks and
-    memory other processes hold. Not run on a GPU yet (``scripts/gpu_check.sh`` covers it). With
+    memory other processes hold, and the swap staging buffer (``worker/kv_cache.py``). With
     tensor parallelism every rank runs it together (the forward meets in its collectives)."""
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
@@ -107,7 +107,9 @@ def profile_kv_blocks(
     others = (total - free) - torch.cuda.memory_reserved(device)
     del runner, tmp
     torch.cuda.empty_cache()
-    kv_bytes = total * gpu_memory_utilization - peak - others
+    # the swap staging buffer a pool with host blocks allocates beside the device blocks
+    staging = staging_blocks(bytes_per_block) * bytes_per_block
+    kv_bytes = total * gpu_memory_utilization - peak - others - staging
     if kv_bytes < bytes_per_block:
         raise ValueError(
             f"no memory left for KV blocks at gpu_memory_utilization={gpu_memory_utilization}: weights and "

@@ -20,8 +20,9 @@ device staging buffer (CUDA, with a host pool; ``STAGING_BYTES``): each chunk of
 gathered into it with one kernel and copied out by host runs (swap-in: copied in by host runs,
 then scattered with one kernel), so a plan of n scattered blocks costs a few large host copies
 instead of n small ones, each of which pays a fixed cost (on an H200, 1,024 scattered blocks of
-2 MiB moved 0.79 of a plain copy's bandwidth copied run by run, 0.89 staged). A plan is staged only where that makes fewer
-host copies; all of it runs on the copy stream, in order, so chunks reuse the buffer safely.
+2 MiB moved 0.79 of a plain copy's bandwidth copied run by run, 0.89 staged). A plan is staged
+only where that makes fewer host copies; all of it runs on the copy stream, in order, so chunks
+reuse the buffer safely.
 
 The device pool starts zeroed (the null block pads reads). On the CPU it is anonymous memory,
 which the kernel hands out as zero pages on first touch: a large pool costs nothing at start-up

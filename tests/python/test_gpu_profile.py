@@ -99,6 +99,8 @@ def test_gpu_overlap_script_dry_runs_on_cpu() -> None:
     for mode in ("sync", "async"):
         r = report[mode]
         assert 0 < r["busy_ms"] <= r["span_ms"] and 0 <= r["idle_of_span"] < 1 and r["step_ms"] > 0
+        host = r["unprofiled"]  # the host's phases, timed without the profiler
+        assert host["step_ms"] > 0 and host["forward_ms"] > 0 and {"schedule_ms", "rest_ms"} <= set(host)
 
 
 def test_gpu_ceilings_script_dry_runs_on_cpu() -> None:

@@ -94,13 +94,19 @@ def run(path: str, overlap: bool, a: argparse.Namespace) -> dict[str, Any]:
 def host_phases(eng: Engine, steps: int) -> dict[str, float]:
     """Median ms per step, no profiler: the whole step, and the host's time in each phase
     (``host_overhead.py``'s wrappers, exclusive): ``forward`` is ``runner.execute``, which on CUDA
-    only queues the step (block table, plans, input copies, graph replay, logits), ``sample`` the
-    sampler's launches, ``rest`` the step's other Python and any wait for the device (the sampled
-    ids' copy or event)."""
-    from host_overhead import Timer, instrument
+    only queues the step, less its parts timed apart (the block table, the KV plans, a graph's
+    FlashInfer plan and replay, the logits); ``sample`` the sampler's launches; ``rest`` the
+    step's other Python and any wait for the device (the sampled ids' copy or event)."""
+    from host_overhead import Timer, _patch, instrument
 
     timer = Timer()
     instrument(eng, timer)
+    # inside the runner's ``forward`` (each exclusive of the others)
+    _patch(eng.runner, "block_table", {"step": "block_table"}, timer)
+    _patch(eng.runner, "kv", {"run_plans": "kv_plans"}, timer)
+    _patch(eng.runner, "graphs", {"run": "graph_plan_and_replay"}, timer)
+    _patch(eng.runner, "model", {"compute_logits": "logits"}, timer)
+    _patch(eng, "_sampling", {"args": "sample_args", "write_rows": "sample_write_rows"}, timer)
     walls, phases = [], []
     for _ in range(steps):
         timer.reset()

@@ -198,6 +198,10 @@ class KvCache:
         scattered from) the staging buffer with one kernel, the host side copied by runs."""
         assert self._staging is not None
         h, d = (1, 0) if to_host else (0, 1)
+        # the gather and scatter index rows of [blocks, block elements] views (the same memory):
+        # a 2-D index kernel, not one that works out six coordinates per element
+        flat_dev = self.device_kv.view(self.device_kv.shape[0], -1)
+        flat_stage = self._staging.view(self._staging.shape[0], -1)
         for start in range(0, len(plan), len(self._staging)):
             rows = plan[start : start + len(self._staging)]
             n = len(rows)
@@ -206,7 +210,7 @@ class KvCache:
             runs = contiguous_runs(np.stack([rows[:, h], np.arange(n)], axis=1)).tolist()
             stage = self._staging[:n]
             if to_host:
-                torch.index_select(self.device_kv, 0, dev_idx, out=stage)
+                torch.index_select(flat_dev, 0, dev_idx, out=flat_stage[:n])
                 torch._foreach_copy_(
                     [self.host_kv[hs : hs + k] for hs, _, k in runs],
                     [stage[i : i + k] for _, i, k in runs],
@@ -218,7 +222,7 @@ class KvCache:
                     [self.host_kv[hs : hs + k] for hs, _, k in runs],
                     non_blocking=self._cuda,
                 )
-                self.device_kv.index_copy_(0, dev_idx, stage)
+                flat_dev.index_copy_(0, dev_idx, flat_stage[:n])
 
     def _copy_runs(self, plan: np.ndarray, src: torch.Tensor, dst: torch.Tensor) -> None:
         """One plan's runs in one multi-tensor copy call (the per-run dispatch happens in C++, not

@@ -69,7 +69,7 @@ class Engine(FaultsMixin, OfflineMixin):
         if self.tokenizer is not None:
             self.scheduler.set_tokenizer(self.tokenizer.backend_tokenizer.to_str())
         self._rng = random.Random(args.seed)
-        self._outputs = OutputProcessor(self.eos_token_ids[:1])  # the primary EOS (vLLM's rule)
+        self._outputs = OutputProcessor(self.eos_token_ids[:1], self.tokenizer)  # the primary EOS (vLLM's)
         self._sampling = SamplingTable(args.max_num_seqs, self.device, mc.vocab_size)
         # of the scheduler alone: a bound method made a cycle that kept dropped engines alive
         self._sampling.history = functools.partial(_output_history, self.scheduler)

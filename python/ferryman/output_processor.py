@@ -12,13 +12,14 @@ without logprobs (what ``generate()`` makes); otherwise one pass over the step's
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ferryman.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from ferryman.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ferryman.sampling_params import SamplingParams
 
-Logprobs = dict[int, float]
+Logprobs = dict[int, Logprob]
 
 
 @dataclass(slots=True)
@@ -38,10 +39,26 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, eos_token_ids: list[int] | None = None) -> None:
+    def __init__(self, eos_token_ids: list[int] | None = None, tokenizer: Any = None) -> None:
+        """``tokenizer``: decodes each logprob's token alone (``Logprob.decoded_token``)."""
         self.reqs: dict[int, RequestState] = {}  # by core id
         self._num_per_row = 0
         self._eos = frozenset(eos_token_ids or ())  # an EOS ends with stop_reason None (vLLM's)
+        self._decode: Callable[[int], str] | None = None
+        if tokenizer is not None:
+            self._decode = lambda t: str(tokenizer.decode([t]))
+        self._texts: dict[int, str] = {}  # token id -> its decode, as logprobs meet them
+
+    def _named(self, lp: Logprobs) -> Logprobs:
+        """``lp`` with each entry's ``decoded_token`` set (where there is a tokenizer)."""
+        if self._decode is not None:
+            texts = self._texts
+            for t, v in lp.items():
+                text = texts.get(t)
+                if text is None:
+                    text = texts[t] = self._decode(t)
+                v.decoded_token = text
+        return lp
 
     def add(self, core_id: int, st: RequestState) -> None:
         st.per_row = st.params.output_kind != "final_only" or st.params.logprobs is not None
@@ -75,7 +92,7 @@ class OutputProcessor:
         for core_id, pos, lp, rank in entries:
             st = self.reqs.get(core_id)
             if st is not None and st.prompt_logprobs is not None and st.prompt_ranks is not None:
-                st.prompt_logprobs[pos], st.prompt_ranks[pos] = lp, rank
+                st.prompt_logprobs[pos], st.prompt_ranks[pos] = self._named(lp), rank
 
     def remove(self, core_id: int) -> RequestState | None:
         st = self.reqs.pop(core_id, None)
@@ -107,6 +124,8 @@ class OutputProcessor:
                 if st is None or not st.per_row or not nout[i]:  # 0 outputs: a dropped sample
                     continue
                 k, tok, lp = ks[i], toks[i], None if lps is None else lps[i]
+                if lp is not None:
+                    lp = self._named(lp)
                 kind = st.params.output_kind
                 if kind == "cumulative":
                     o = st.outputs[k]

@@ -7,6 +7,31 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+class Logprob(float):
+    """One token's log probability: a float, with vLLM's ``Logprob`` fields, so code written for
+    vLLM (``lp.logprob``, ``lp.rank``, ``lp.decoded_token``) and code that reads a float both
+    work. ``rank``: 1 for the most likely token of the vocabulary (the top N are ranked 1..N in
+    order; a sampled or prompt token by how many tokens the model found likelier); None where
+    unknown. ``decoded_token``: the token's text (the tokenizer's decode of it alone), None
+    without a tokenizer."""
+
+    __slots__ = ("decoded_token", "rank")
+    rank: int | None
+    decoded_token: str | None
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None) -> Logprob:
+        self = super().__new__(cls, logprob)
+        self.rank, self.decoded_token = rank, decoded_token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+
 @dataclass(slots=True)
 class CompletionOutput:
     """One of the ``n`` sequences of a request."""
@@ -15,9 +40,9 @@ class CompletionOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    # with SamplingParams.logprobs=N: per token, {token_id: logprob} for the sampled token and the
+    # with SamplingParams.logprobs=N: per token, {token_id: Logprob} for the sampled token and the
     # model's top N (log-softmax of the raw logits; under a grammar, of those its mask leaves)
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     # vLLM's: what stopped it with finish_reason "stop": the stop string matched, or the stop
     # token id (of stop_token_ids); None for an EOS, a length, a complete grammar
@@ -44,8 +69,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     metrics: RequestMetrics | None = None
-    # with SamplingParams.prompt_logprobs: per prompt token, {token_id: logprob} (None first)
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # with SamplingParams.prompt_logprobs: per prompt token, {token_id: Logprob} (None first)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # set when the request failed (its logits were not finite, or its step raised): it is
     # finished, and its unfinished sequences have finish_reason "error"
     error: str | None = None

@@ -86,3 +86,37 @@ def test_under_recompute_preemption_and_with_max_tokens_zero(model: Path) -> Non
     assert zero.outputs[0].token_ids == [] and zero.outputs[0].text == ""
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+
+
+def test_logprobs_have_vllm_fields(tmp_path: Path) -> None:
+    """Sampled-token and prompt logprobs are vLLM's ``Logprob``: ``.logprob`` (also the float
+    itself), ``.rank`` (the top N 1..N in order; the sampled or prompt token 1 + the tokens the
+    model found likelier, by transformers' logits) and ``.decoded_token`` (the tokenizer's text
+    of that token alone)."""
+    import pickle
+
+    from ferryman.outputs import Logprob
+
+    path = build("llama", tmp_path, tokenizer=True)
+    eng = Engine(str(path), calibrate=False, block_size=4)
+    tok = eng.get_tokenizer()
+    sp = SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    out = eng.generate(["hello world"], sp)[0]
+    prompt, sampled = out.prompt_token_ids, out.outputs[0].token_ids
+    want = reference(path, prompt + sampled)
+    assert out.outputs[0].logprobs is not None and out.prompt_logprobs is not None
+    entries = [(prompt[p], out.prompt_logprobs[p], want[p - 1]) for p in range(1, len(prompt))]
+    lps = out.outputs[0].logprobs
+    entries += [(t, d, want[len(prompt) - 1 + i]) for i, (t, d) in enumerate(zip(sampled, lps, strict=True))]
+    for target, d, row in entries:
+        assert d is not None and target in d and len(d) <= 4
+        for t, v in d.items():  # the top N and the target: ranks as transformers' logits order them
+            assert isinstance(v, Logprob) and v.logprob == float(v) == pytest.approx(float(row[t]), abs=1e-4)
+            assert v.rank == int((row > row[t]).sum()) + 1
+            assert v.decoded_token == tok.decode([t])
+    lp = lps[0][sampled[0]]
+    back = pickle.loads(pickle.dumps(lp))  # the server's Ray replicas pickle outputs
+    assert (back.logprob, back.rank, back.decoded_token) == (lp.logprob, lp.rank, lp.decoded_token)
+    assert repr(lp).startswith("Logprob(logprob=")
+    total = sum(d[t] for t, d in zip(sampled, lps, strict=True))
+    assert out.outputs[0].cumulative_logprob == pytest.approx(total)

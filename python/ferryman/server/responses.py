@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from ferryman.outputs import Logprob
 from ferryman.server import protocol as api
 from ferryman.server.async_engine import Delta, EngineDeadError, RequestFailedError, Update
 from ferryman.server.errors import ApiError
@@ -60,7 +61,7 @@ async def merge(streams: list[AsyncIterator[Update]]) -> AsyncIterator[tuple[int
 
 
 # a prompt's ids, their logprobs and their ranks (with prompt logprobs)
-PromptData = tuple[list[int], list[dict[int, float] | None], list[int | None]]
+PromptData = tuple[list[int], list[dict[int, Logprob] | None], list[int | None]]
 
 
 @dataclass(slots=True)
@@ -69,7 +70,7 @@ class Accumulated:
 
     text: dict[int, list[str]] = field(default_factory=dict)
     toks: dict[int, list[int]] = field(default_factory=dict)
-    lps: dict[int, list[dict[int, float]]] = field(default_factory=dict)
+    lps: dict[int, list[dict[int, Logprob]]] = field(default_factory=dict)
     reasons: dict[int, str | None] = field(default_factory=dict)
     stop_reasons: dict[int, str | int | None] = field(default_factory=dict)
     prompt_tokens: dict[int, tuple[int, int]] = field(default_factory=dict)  # (tokens, cached)
@@ -114,7 +115,7 @@ def usage(prompts: dict[int, tuple[int, int]], completion: int) -> api.Usage:
 
 
 def completion_logprobs(
-    toks: list[int], lps: list[dict[int, float]] | None, token_str: Callable[[int], str], offset: int
+    toks: list[int], lps: list[dict[int, Logprob]] | None, token_str: Callable[[int], str], offset: int
 ) -> api.CompletionLogprobs | None:
     if lps is None:
         return None
@@ -129,7 +130,7 @@ def completion_logprobs(
 
 
 def echo_logprobs(
-    prompt: list[int], lps: list[dict[int, float] | None], token_str: Callable[[int], str]
+    prompt: list[int], lps: list[dict[int, Logprob] | None], token_str: Callable[[int], str]
 ) -> api.CompletionLogprobs:
     """The prompt's part of an echoed choice's logprobs: each prompt token, its logprob (None for
     the first, which nothing predicts) and the top ones."""
@@ -151,7 +152,7 @@ def token_namer(token_str: Callable[[int], str], as_ids: bool) -> Callable[[int]
 
 def prompt_logprobs(
     prompt: list[int],
-    lps: list[dict[int, float] | None],
+    lps: list[dict[int, Logprob] | None],
     ranks: list[int | None],
     token_str: Callable[[int], str],
 ) -> list[dict[str, api.PromptLogprob] | None]:
@@ -178,7 +179,7 @@ def prompt_logprobs(
 
 
 def chat_logprobs(
-    toks: list[int], lps: list[dict[int, float]] | None, token_str: Callable[[int], str], top_n: int
+    toks: list[int], lps: list[dict[int, Logprob]] | None, token_str: Callable[[int], str], top_n: int
 ) -> api.ChatLogprobs | None:
     if lps is None:
         return None

@@ -7,6 +7,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 
 from ferryman.engine import EngineDeadError
+from ferryman.outputs import Logprob
 
 __all__ = ["Delta", "DrainingError", "EngineDeadError", "RequestFailedError", "RequestUpdates", "Update"]
 
@@ -18,7 +19,7 @@ class Delta:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
 
@@ -31,7 +32,7 @@ class Update:
     error: str | None = None  # the request failed (its iterator raises RequestFailedError)
     # with prompt logprobs, once (on the first update): the prompt's ids and their logprobs
     prompt_token_ids: list[int] | None = None
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprob_ranks: list[int | None] | None = None  # each prompt token's rank, with them
     num_cached_tokens: int = 0  # prompt tokens the prefix cache held (usage.prompt_tokens_details)
 

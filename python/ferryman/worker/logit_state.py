@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ferryman.outputs import Logprob
 from ferryman.worker.transfer import to_device
 
 _NONE = np.zeros(0, np.int64)
@@ -45,10 +46,11 @@ class PromptArgs:
     top: np.ndarray  # int64
 
 
-def prompt_logprobs(logits: torch.Tensor, a: PromptArgs) -> list[tuple[int, int, dict[int, float], int]]:
-    """(core id, prompt position, {token: logprob}, the target's rank) from the logits of
-    ``a.at``'s rows: the target's logprob and the top N (log-softmax of the raw logits), and the
-    target's rank in the vocabulary (1: the most likely; vLLM's ``Logprob.rank``)."""
+def prompt_logprobs(logits: torch.Tensor, a: PromptArgs) -> list[tuple[int, int, dict[int, Logprob], int]]:
+    """(core id, prompt position, {token: Logprob}, the target's rank) from the logits of
+    ``a.at``'s rows: the target's logprob and the top N (log-softmax of the raw logits; the top N
+    ranked 1..N in order), and the target's rank in the vocabulary (1: the most likely; vLLM's
+    ``Logprob.rank``)."""
     lp = torch.log_softmax(logits, dim=-1)
     chosen_t = lp.gather(1, torch.from_numpy(a.targets).to(lp.device)[:, None])
     ranks = ((lp > chosen_t).sum(dim=-1) + 1).tolist()
@@ -60,8 +62,8 @@ def prompt_logprobs(logits: torch.Tensor, a: PromptArgs) -> list[tuple[int, int,
     for i, (r, pos, t, n) in enumerate(
         zip(a.req_ids.tolist(), a.positions.tolist(), a.targets.tolist(), a.top.tolist(), strict=True)
     ):
-        d = dict(zip(ids_l[i][:n], vals_l[i][:n], strict=True))
-        d[t] = chosen[i]
+        d = {k: Logprob(v, j + 1) for j, (k, v) in enumerate(zip(ids_l[i][:n], vals_l[i][:n], strict=True))}
+        d[t] = Logprob(chosen[i], int(ranks[i]))
         out.append((r, pos, d, int(ranks[i])))
     return out
 

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ferryman.outputs import Logprob
+
 if TYPE_CHECKING:
     pass
 
@@ -121,22 +123,26 @@ def sample(
 
 def gather_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int | None]
-) -> list[dict[int, float] | None]:
+) -> list[dict[int, Logprob] | None]:
     """For rows that ask for logprobs: the sampled token's and the top-N of the model's
     distribution (log-softmax of the raw logits, or of those a grammar masks), as ``{token_id:
-    logprob}``; a token a grammar forbids (-inf) is never among the top N, so fewer may come."""
+    Logprob}``: the top N ranked 1..N in order, the sampled token by how many tokens are likelier
+    (1 + their count); a token a grammar forbids (-inf) is never among the top N, so fewer may
+    come."""
     rows = [i for i, n in enumerate(wanted) if n is not None]
-    out: list[dict[int, float] | None] = [None] * len(wanted)
+    out: list[dict[int, Logprob] | None] = [None] * len(wanted)
     if not rows:
         return out
     lp = torch.log_softmax(logits[rows], dim=-1)
     top = max(wanted[i] or 0 for i in rows)
     vals, ids = lp.topk(top, dim=-1) if top > 0 else (lp[:, :0], lp[:, :0].long())
-    chosen = lp.gather(1, tokens[rows].long()[:, None])[:, 0]
+    chosen_t = lp.gather(1, tokens[rows].long()[:, None])
+    ranks = ((lp > chosen_t).sum(dim=-1) + 1).tolist()
+    chosen = chosen_t[:, 0].tolist()
     for j, i in enumerate(rows):
         n = wanted[i] or 0
         pairs = zip(ids[j, :n].tolist(), vals[j, :n].tolist(), strict=True)
-        d = {int(t): float(v) for t, v in pairs if v != float("-inf")}
-        d[int(tokens[i])] = float(chosen[j])
+        d = {int(t): Logprob(v, k + 1) for k, (t, v) in enumerate(pairs) if v != float("-inf")}
+        d[int(tokens[i])] = Logprob(chosen[j], int(ranks[j]))
         out[i] = d
     return out

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ferryman._core import sample_cpu
+from ferryman.outputs import Logprob
 from ferryman.sampling_params import GREEDY_BELOW
 from ferryman.worker.grammar_mask import apply_grammar as apply_grammar  # looked up here per call
 from ferryman.worker.logit_state import Adjust, LogitState, PromptArgs, adjust_args, prompt_args
@@ -217,7 +218,7 @@ class SamplingTable:
         seq_indices: np.ndarray,
         positions: np.ndarray,
         a: SampleArgs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, list[dict[int, float] | None] | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[dict[int, Logprob] | None] | None]:
         """One token per row of ``logits``: sample i is of batch row ``rows[i]``, fork
         ``seq_indices[i]``, sampling the token at ``positions[i]``; whether each row's largest
         logit is finite (False: NaN or +inf in the row, or all of it -inf; read off the argmax

@@ -26,11 +26,12 @@ import numpy as np
 import torch
 
 from ferryman._core import SchedulerOutput
+from ferryman.outputs import Logprob
 from ferryman.worker.logit_state import prompt_logprobs
 from ferryman.worker.model_runner import ModelRunner
 from ferryman.worker.sampling_table import SampleArgs, SamplingTable
 
-Logprobs = list[dict[int, float] | None] | None
+Logprobs = list[dict[int, Logprob] | None] | None
 
 
 @dataclass(slots=True)
@@ -41,7 +42,7 @@ class Sampled:
     logprobs: Logprobs
     ready: torch.cuda.Event | None = None
     # (core id, position, logprobs, the prompt token's rank)
-    prompt_logprobs: list[tuple[int, int, dict[int, float], int]] | None = None
+    prompt_logprobs: list[tuple[int, int, dict[int, Logprob], int]] | None = None
     any_bad: bool | None = None  # False: no id is -1 (not finite); None: not known without reading
 
     def host_ids(self) -> np.ndarray:

@@ -182,6 +182,26 @@ class EngineArgs(SchedulerArgs):
         "config.json alone (benchmarks without the weights, as vLLM's)",
         choices=LOAD_FORMATS,
     )
+    # vLLM's names for what a script passes it, served or refused here by name
+    tokenizer: str | None = knob(
+        None, "the tokenizer's folder, Hub id or .gguf file, when it is not the model's own"
+    )
+    revision: str | None = knob(None, "the Hub revision (branch, tag or commit) of a Hub id model")
+    download_dir: str | None = knob(None, "where Hub downloads go (default: the Hugging Face cache)")
+    trust_remote_code: bool = knob(
+        False,
+        "accepted for vLLM's scripts; it changes nothing: ferryman runs no code from a checkpoint "
+        "(its model classes are its own)",
+    )
+    quantization: str | None = knob(
+        None,
+        "only None, or 'gguf' for a .gguf model (its weights are dequantized to dtype on load); "
+        "quantized kernels are not implemented",
+        choices=("gguf",),
+    )
+    kv_cache_dtype: str = knob(
+        "auto", "only 'auto': the KV cache takes the model's dtype (no fp8 KV)", choices=("auto",)
+    )
 
 
 @functools.cache

@@ -23,7 +23,13 @@ import torch
 
 from ferryman._core import InvalidRequestError, Scheduler
 from ferryman.engine_args import EngineArgs
-from ferryman.model_loader import check_context, generation_defaults, load_model, resolve_model_path
+from ferryman.model_loader import (
+    check_context,
+    generation_defaults,
+    load_model,
+    load_tokenizer,
+    resolve_model_path,
+)
 from ferryman.models.llama import LlamaForCausalLM
 from ferryman.models.tensor_parallel import TensorParallel
 from ferryman.worker.calibrate import host_link_bytes_per_s, prefill_tokens_per_s, profile_kv_blocks
@@ -81,7 +87,9 @@ def build_parts(args: EngineArgs) -> EngineParts:
     device = resolve_device(args.device)
     make_current(device)
     dtype = resolve_dtype(args.dtype, device)
-    path = resolve_model_path(args.model, weights=args.load_format != "dummy")
+    path = resolve_model_path(args.model, args.load_format != "dummy", args.revision, args.download_dir)
+    if args.quantization == "gguf" and path.suffix != ".gguf":
+        raise InvalidRequestError(f"quantization='gguf' needs a .gguf model; {args.model!r} is not one")
     n = args.tensor_parallel_size
     cannot = check_devices(device, n, args.distributed_executor_backend) if n > 1 else None
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -94,6 +102,8 @@ def build_parts(args: EngineArgs) -> EngineParts:
     ray_backend = n > 1 and args.distributed_executor_backend == "ray"
     launch = ray_workers() if ray_backend else SpawnedWorkers  # before loading: fails fast without Ray
     model, tokenizer = load_model(path, dtype, device, TensorParallel(0, n), args.load_format)
+    if args.tokenizer is not None:  # vLLM's tokenizer=: another than the model's own
+        tokenizer = load_tokenizer(args.tokenizer, args.revision, args.download_dir)
     mc, block_size = model.cfg, args.block_size
     # one rank's KV heads of a block (all of them without tensor parallelism)
     bpb = KvCache.bytes_per_block(mc.num_layers, block_size, model.shard.num_kv_heads, mc.head_dim, dtype)

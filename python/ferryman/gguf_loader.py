@@ -157,7 +157,7 @@ def convert(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Any]:
             q, k = f"model.layers.{i}.q_proj.weight", f"model.layers.{i}.k_proj.weight"
             tensors[q] = unpermute_rows(tensors[q], cfg.num_heads)
             tensors[k] = unpermute_rows(tensors[k], cfg.num_kv_heads)
-    return cfg, tensors, _tokenizer(path)
+    return cfg, tensors, gguf_tokenizer(path)
 
 
 def read_tensors(reader: Any) -> dict[str, torch.Tensor]:
@@ -185,7 +185,8 @@ def _hf_name(name: str) -> str:
     return name
 
 
-def _tokenizer(path: Path) -> Any:
+def gguf_tokenizer(path: Path) -> Any:
+    """transformers' tokenizer of a GGUF file (what it builds from the file's vocabulary)."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -50,37 +50,46 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.jinja"]
 
 
-def resolve_model_path(model: str | Path, weights: bool = True) -> Path:
+def resolve_model_path(
+    model: str | Path, weights: bool = True, revision: str | None = None, cache_dir: str | None = None
+) -> Path:
     """The file or folder a model name stands for (``"smollm2"`` is the embedded default; an
     ``org/name`` that is no existing path is a Hugging Face Hub id, fetched without its weights
-    when ``weights`` is false: ``load_format="dummy"`` reads only its config and tokenizer)."""
+    when ``weights`` is false: ``load_format="dummy"`` reads only its config and tokenizer; at
+    ``revision``, into ``cache_dir``: vLLM's ``revision`` and ``download_dir``, for Hub ids only)."""
     if str(model) == DEFAULT_MODEL:
         return default_model_path()
     path = Path(model)
     if path.exists() or not HUB_ID.fullmatch(str(model)):
         return path
-    return hub_snapshot(str(model), weights)
+    return hub_snapshot(str(model), weights, revision, cache_dir)
 
 
-def hub_snapshot(repo_id: str, weights: bool = True) -> Path:
+def hub_snapshot(
+    repo_id: str, weights: bool = True, revision: str | None = None, cache_dir: str | None = None
+) -> Path:
     """The local snapshot of a Hub repository (config, tokenizer, safetensors and generation
-    config files): from the hub cache, else downloaded into it. ``HF_HUB_CACHE`` / ``HF_HOME`` and
-    ``HF_HUB_OFFLINE`` are read here, at the call, not when ``huggingface_hub`` was imported."""
+    config files): from the hub cache (``cache_dir`` if given), else downloaded into it.
+    ``HF_HUB_CACHE`` / ``HF_HOME`` and ``HF_HUB_OFFLINE`` are read here, at the call, not when
+    ``huggingface_hub`` was imported."""
     from huggingface_hub import snapshot_download
 
-    cache = os.environ.get("HF_HUB_CACHE") or (
-        os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else None
+    cache = (
+        cache_dir
+        or os.environ.get("HF_HUB_CACHE")
+        or (os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else None)
     )
     offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
     patterns = HUB_FILES if weights else [p for p in HUB_FILES if p != "*.safetensors"]
     try:
         folder = snapshot_download(
-            repo_id, allow_patterns=patterns, cache_dir=cache, local_files_only=offline
+            repo_id, revision=revision, allow_patterns=patterns, cache_dir=cache, local_files_only=offline
         )
     except Exception as e:  # not cached and not downloadable: offline, no network, no such repo
         how = "HF_HUB_OFFLINE is set" if offline else "downloading it failed"
+        at = f" at revision {revision!r}" if revision else ""
         raise ModelLoadError(
-            f"{repo_id}: no such path, and as a Hugging Face Hub id it is not in the hub cache "
+            f"{repo_id}: no such path, and as a Hugging Face Hub id{at} it is not in the hub cache "
             f"({cache or 'the default cache'}) and {how}: {type(e).__name__}: {e}"
         ) from e
     return Path(folder)
@@ -162,6 +171,23 @@ def read_shard(root: Path, files: list[str], cfg: ModelConfig, tp: TensorParalle
                 sl = fh.get_slice(name)
                 out[name] = take(sl, tuple(sl.get_shape()), shard_range(our_name(name), cfg, s))
     return out
+
+
+def load_tokenizer(name: str, revision: str | None = None, cache_dir: str | None = None) -> Any:
+    """The tokenizer of ``name`` alone (a folder, a Hub id, a .gguf file or ``"smollm2"``):
+    vLLM's ``tokenizer=``, for a model whose own is missing or another."""
+    from ferryman.gguf_loader import gguf_tokenizer
+
+    path = resolve_model_path(name, weights=False, revision=revision, cache_dir=cache_dir)
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_tokenizer(path)
+    tok = _tokenizer(path) if path.is_dir() else None
+    if tok is None:
+        raise ModelLoadError(
+            f"tokenizer {name}: no tokenizer there (a folder with tokenizer.json, tokenizer.model or "
+            "tokenizer_config.json, a Hub id or a .gguf file)"
+        )
+    return tok
 
 
 def _tokenizer(root: Path) -> Any:

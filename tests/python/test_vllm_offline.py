@@ -2,7 +2,9 @@
 prompt dicts, ``chat`` over one or many conversations with vLLM's keywords, a ``max_tokens`` past
 ``max_model_len`` cut to the room left, ``truncate_prompt_tokens=-1`` fitting the prompt,
 ``seed=-1`` as no seed, a dict of structured outputs, vLLM's text flags at their defaults, an EOS
-that is also a stop token id reported with no stop reason, and vLLM's dtype names."""
+that is also a stop token id reported with no stop reason, vLLM's dtype names, and vLLM's engine
+keywords (``trust_remote_code``, ``tokenizer``, ``quantization``, ``kv_cache_dtype``,
+``revision``, ``download_dir``)."""
 
 from __future__ import annotations
 
@@ -147,3 +149,40 @@ def test_vllms_accessor_names(engine: Engine) -> None:
     assert q.logit_bias is not None
     q.logit_bias[5] = 2.0
     assert p.stop == ["x"] and p.logit_bias == {3: 1.0}
+
+
+def test_vllms_engine_keywords_are_served_or_refused_by_name(path: Path, tmp_path: Path) -> None:
+    """``trust_remote_code`` is accepted (it changes nothing); ``tokenizer=`` loads another
+    folder's tokenizer (here for a model folder that has none, which then serves text as the model
+    with its own does); ``quantization`` and ``kv_cache_dtype`` take only what ferryman does and
+    refuse the rest naming the knob; ``revision`` and ``download_dir`` reach the Hub lookup."""
+    import re
+    import shutil
+
+    kw = {"block_size": 4, "num_device_blocks": 64, "max_model_len": 48, "calibrate": False}
+    own = Engine(str(path), trust_remote_code=True, kv_cache_dtype="auto", quantization=None, **kw)
+    bare = tmp_path / "weights-only"
+    bare.mkdir()
+    for f in path.iterdir():
+        if f.name == "config.json" or f.suffix == ".safetensors":
+            shutil.copy(f, bare / f.name)
+    assert Engine(str(bare), **kw).tokenizer is None
+    other = Engine(str(bare), tokenizer=str(path), **kw)
+    assert other.tokenizer is not None
+    want = own.generate(["hello there"], GREEDY)[0].outputs[0]
+    got = other.generate(["hello there"], GREEDY)[0].outputs[0]
+    assert (got.token_ids, got.text) == (want.token_ids, want.text) and want.text
+    with pytest.raises(ValueError, match=r"tokenizer .*no tokenizer there"):
+        Engine(str(path), tokenizer=str(bare), **kw)
+    with pytest.raises(InvalidRequestError, match="quantization must be one of"):
+        EngineArgs(quantization="awq")
+    with pytest.raises(InvalidRequestError, match=r"quantization=.gguf. needs a \.gguf model"):
+        Engine(str(path), quantization="gguf", **kw)
+    with pytest.raises(InvalidRequestError, match="kv_cache_dtype must be one of"):
+        EngineArgs(kv_cache_dtype="fp8")
+    # a Hub id that no cache holds, offline: the error names the revision and the download dir
+    cache = tmp_path / "hub-cache"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        with pytest.raises(ValueError, match=f"at revision 'v2'.*{re.escape(str(cache))}"):
+            Engine("nobody/no-such-model", revision="v2", download_dir=str(cache), **kw)

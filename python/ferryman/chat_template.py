@@ -164,6 +164,15 @@ def render(
     )
 
 
+def developer_as_system(turns: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
+    """OpenAI's "developer" turns as "system" ones, unless the template names the developer role
+    (most templates know only system, and some add their default system prompt beside a role they
+    do not know)."""
+    if "developer" in template:
+        return turns
+    return [t | {"role": "system"} if t.get("role") == "developer" else t for t in turns]
+
+
 def open_final_message(prompt: str, final: str) -> str:
     """The rendered conversation cut right after the last message's text, so the model continues
     that message instead of closing it (what transformers' ``continue_final_message`` does)."""

@@ -183,25 +183,14 @@ class EngineArgs(SchedulerArgs):
         choices=LOAD_FORMATS,
     )
     # vLLM's names for what a script passes it, served or refused here by name
-    tokenizer: str | None = knob(
-        None, "the tokenizer's folder, Hub id or .gguf file, when it is not the model's own"
-    )
+    tokenizer: str | None = knob(None, "the tokenizer's folder, Hub id or .gguf, if not the model's")
     revision: str | None = knob(None, "the Hub revision (branch, tag or commit) of a Hub id model")
     download_dir: str | None = knob(None, "where Hub downloads go (default: the Hugging Face cache)")
-    trust_remote_code: bool = knob(
-        False,
-        "accepted for vLLM's scripts; it changes nothing: ferryman runs no code from a checkpoint "
-        "(its model classes are its own)",
-    )
+    trust_remote_code: bool = knob(False, "accepted, changes nothing: ferryman runs no checkpoint code")
     quantization: str | None = knob(
-        None,
-        "only None, or 'gguf' for a .gguf model (its weights are dequantized to dtype on load); "
-        "quantized kernels are not implemented",
-        choices=("gguf",),
+        None, "None, or 'gguf' for a .gguf model (dequantized to dtype on load)", choices=("gguf",)
     )
-    kv_cache_dtype: str = knob(
-        "auto", "only 'auto': the KV cache takes the model's dtype (no fp8 KV)", choices=("auto",)
-    )
+    kv_cache_dtype: str = knob("auto", "'auto': the KV cache takes the model's dtype", choices=("auto",))
 
 
 @functools.cache

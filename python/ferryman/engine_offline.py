@@ -10,7 +10,7 @@ from numbers import Integral
 from typing import TYPE_CHECKING, Any, cast
 
 from ferryman._core import InvalidRequestError, Scheduler
-from ferryman.chat_template import open_final_message
+from ferryman.chat_template import developer_as_system, open_final_message
 from ferryman.outputs import RequestOutput, StepResult
 from ferryman.sampling_params import SamplingParams
 
@@ -181,7 +181,8 @@ class OfflineMixin:
             raise InvalidRequestError("this model has no chat template")
         if continue_final_message and add_generation_prompt:
             raise InvalidRequestError("continue_final_message needs add_generation_prompt=False")
-        turns = [_flat_message(m) for m in conversation]
+        template = str(self.tokenizer.chat_template)
+        turns = developer_as_system([_flat_message(m) for m in conversation], template)
         try:
             text = self.tokenizer.apply_chat_template(
                 turns,

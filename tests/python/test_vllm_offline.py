@@ -186,3 +186,15 @@ def test_vllms_engine_keywords_are_served_or_refused_by_name(path: Path, tmp_pat
         mp.setenv("HF_HUB_OFFLINE", "1")
         with pytest.raises(ValueError, match=f"at revision 'v2'.*{re.escape(str(cache))}"):
             Engine("nobody/no-such-model", revision="v2", download_dir=str(cache), **kw)
+
+
+def test_chat_renders_the_developer_role_as_the_server_does(engine: Engine) -> None:
+    """Offline ``chat`` maps OpenAI's developer role to system where the template does not name
+    it, as the server's chat endpoint does: both give the same prompt."""
+    from ferryman.server.chat_prompt import ChatPrompt
+
+    dev = [{"role": "developer", "content": "be brief"}, *HI]
+    sys_ = [{"role": "system", "content": "be brief"}, *HI]
+    out = engine.chat(dev, GREEDY)[0]
+    assert out.prompt == engine.chat(sys_, GREEDY)[0].prompt
+    assert out.prompt == ChatPrompt.model_validate({"messages": dev}).render(engine.tokenizer)

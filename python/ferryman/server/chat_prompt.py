@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from ferryman.chat_template import open_final_message
+from ferryman.chat_template import developer_as_system, open_final_message
 from ferryman.server import tools
 from ferryman.server.errors import ApiError
 from ferryman.server.schema_types import Body, Unsupported
@@ -87,8 +87,7 @@ class ChatPrompt(Body):
         except ValueError as e:
             raise _invalid(str(e), "messages") from None
         turns = [m.for_template() for m in self.messages]
-        if "developer" not in str(template):  # OpenAI's developer message is the system message
-            turns = [t | {"role": "system"} if t["role"] == "developer" else t for t in turns]
+        turns = developer_as_system(turns, str(template))
         msgs, tool_dicts = tools.render_messages(turns, self.tools, choice, str(template))
         kwargs = {k: v for k, v in (self.chat_template_kwargs or {}).items() if k not in _RESERVED}
         if self.reasoning_effort is not None:

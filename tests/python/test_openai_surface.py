@@ -181,3 +181,22 @@ def test_a_client_that_leaves_a_plain_request_aborts_it(tmp_path: Path) -> None:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_every_response_carries_a_request_id(client: TestClient) -> None:
+    """``x-request-id`` (OpenAI's header; its client reads it as ``_request_id``): the client's
+    own echoed, else a new one per request; on errors and streams too."""
+    body = {"messages": HI, "max_tokens": 2}
+    a = client.post("/v1/chat/completions", json=body).headers["x-request-id"]
+    b = client.post("/v1/chat/completions", json=body).headers["x-request-id"]
+    assert a != b and len(a) == 32
+    mine = {"x-request-id": "trace-42"}
+    assert client.post("/v1/chat/completions", json=body, headers=mine).headers["x-request-id"] == "trace-42"
+    assert client.get("/v1/models", headers=mine).headers["x-request-id"] == "trace-42"
+    bad = client.post("/v1/chat/completions", content=b"x", headers={"content-type": "text/plain", **mine})
+    assert bad.status_code == 415 and bad.headers["x-request-id"] == "trace-42"
+    odd = client.get("/v1/models", headers={"x-request-id": "a b"}).headers["x-request-id"]
+    assert odd != "a b" and len(odd) == 32  # not printable without spaces: a new one
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}, headers=mine) as r:
+        assert r.headers["x-request-id"] == "trace-42"
+        assert any(line.startswith("data: [DONE]") for line in r.iter_lines())

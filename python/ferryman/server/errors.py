@@ -4,6 +4,7 @@ body it cannot decode; an unknown path) to it, and the error answers the schema 
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -69,8 +70,33 @@ class JsonBodies:
         await self.app(scope, receive, send)
 
 
+class RequestIds:
+    """ASGI middleware: every HTTP response carries ``x-request-id`` (OpenAI's header, which its
+    client reads as ``_request_id``): the client's own, when it sent one that is printable ASCII
+    of at most 128 characters, else a new one. Plain ASGI, as ``JsonBodies``."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id", b"")
+        ok = 0 < len(given) <= 128 and all(0x21 <= c <= 0x7E for c in given)
+        value = given if ok else uuid.uuid4().hex.encode()
+
+        async def tagged(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", value)]}
+            await send(message)
+
+        await self.app(scope, receive, tagged)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     app.add_middleware(JsonBodies)
+    app.add_middleware(RequestIds)  # around JsonBodies: its 415s carry the header too
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError) -> JSONResponse:

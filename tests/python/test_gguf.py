@@ -214,7 +214,7 @@ def test_tensor_parallel_ranks_slice_a_cached_gguf_as_they_slice_its_tensors(
     from ferryman.models.tensor_parallel import TensorParallel
 
     monkeypatch.setenv("FERRYMAN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(gguf_loader, "_tokenizer", lambda _path: None)  # a GGUF without one
+    monkeypatch.setattr(gguf_loader, "gguf_tokenizer", lambda _path: None)  # a GGUF without one
     gguf_path = tmp_path / "m.gguf"
     write_llama_gguf(build("llama", tmp_path), gguf_path)
     cfg, tensors, _ = gguf_loader.convert(gguf_path)

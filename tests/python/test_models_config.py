@@ -204,7 +204,7 @@ def test_gguf_rope_scaling_matches_transformers_on_the_source_weights(
     from ferryman import gguf_cache, gguf_loader
 
     monkeypatch.setenv("FERRYMAN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(gguf_loader, "_tokenizer", lambda _path: None)
+    monkeypatch.setattr(gguf_loader, "gguf_tokenizer", lambda _path: None)
     monkeypatch.setattr(gguf_cache, "store", lambda *_: None)
     path = build("llama", tmp_path, rope_scaling=dict(scaling))  # type: ignore[arg-type]
     keys = None

@@ -223,6 +223,38 @@ def test_a_swap_out_overlaps_the_forward_only_when_the_step_writes_none_of_its_b
     assert swap_out_blocks_rewritten(out, None, none, bs)  # unknown writes: wait
 
 
+def test_block_table_derivations_by_flat_index_match_2d_indexing() -> None:
+    """``BlockTable.step`` gathers slots and page lists by flat index into its table; the same
+    arrays by plain 2-D indexing, step by step, through chunked prefill, decode and recompute
+    preemption (rows freed and taken again)."""
+    rng = np.random.default_rng(5)
+    bs = 4
+    s = Scheduler(
+        SchedulerConfig(
+            block_size=bs, num_device_blocks=24, max_num_batched_tokens=24, max_num_seqs=6,
+            max_model_len=64, preemption_mode="recompute",
+        )
+    )  # fmt: skip
+    for r in range(10):
+        prompt = rng.integers(1, 500, int(rng.integers(3, 30))).tolist()
+        s.add_request(r, prompt, RequestParams(int(rng.integers(2, 12)), ignore_eos=True))
+    tables, steps = BlockTable(2, 2, bs), 0  # grows to what the scheduler sends
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        got = tables.step(out)
+        t, qo, kvp, rows = tables.table, out.qo_indptr, out.kv_indptr, out.rows
+        tok = np.repeat(np.arange(len(rows)), np.diff(qo))
+        pos = out.seq_lens[tok].astype(np.int64) - (qo[tok + 1] - np.arange(len(tok)))
+        page = np.repeat(np.arange(len(rows)), np.diff(kvp))
+        assert got.positions.tolist() == pos.tolist()
+        slots = t[rows[tok], pos // bs].astype(np.int64) * bs + pos % bs
+        assert got.slot_mapping.tolist() == slots.tolist()
+        assert got.kv_indices.tolist() == t[rows[page], np.arange(int(kvp[-1])) - kvp[page]].tolist()
+        s.update(np.ones(len(out.logits_indices), dtype=np.int32))
+        steps += 1
+    assert s.stats()["num_preemptions"] > 0 and steps > 10
+
+
 def test_flashinfer_plan_metadata_from_the_core_arrays() -> None:
     """The host-side part of the GPU backend: int32 CSR arrays FlashInfer takes, untouched, and
     the decode/prefill wrapper choice (FlashInfer itself needs a GPU; tests/gpu runs it)."""
@@ -392,3 +424,23 @@ def test_gpu_benchmark_script_dry_runs_on_cpu() -> None:
     assert [s["block_size"] for s in report["swap"]] == [16, 64]
     # the whole Engine.step() (load_format="dummy") beside the runner alone, at each batch
     assert all(d["engine_step_ms"] > 0 and d["engine_step_over_runner"] > 0 for d in report["decode"])
+
+
+def test_block_table_benchmark_runs() -> None:
+    """benchmarks/block_table.py on a small batch: every request decodes in every timed step."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    args = ["--rows", "6", "--context", "40", "--steps", "5"]
+    p = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "block_table.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    report = json.loads(p.stdout)
+    assert report["rows"] == 6 and report["step_us"] > 0
+    assert report["pages_last_step"] == 6 * -(-(40 + 5 + 1) // 16)  # 3 pages a row: 40 + 6 tokens

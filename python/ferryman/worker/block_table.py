@@ -41,20 +41,21 @@ class BlockTable:
             ):  # a scheduler sized beyond ours
                 self._alloc(max(need[0], self.table.shape[0]), max(need[1], self.table.shape[1]))
             self.table[out.table_rows, out.table_cols] = out.table_blocks
-        table, bs = self.table, self.block_size
+        bs, cols = self.block_size, self.table.shape[1]
+        flat = self.table.ravel()  # flat takes: 0.4-0.5 of 2-D indexing's time (benchmarks/block_table.py)
         rows, seq_lens, qo, kvp = out.rows, out.seq_lens, out.qo_indptr, out.kv_indptr
         lens = seq_lens.astype(np.int64)
+        base = rows.astype(np.int64) * cols  # each row's first entry in `flat`
         b, t, nnz = len(rows), int(qo[-1]), int(kvp[-1])
         if t == b:  # decode only: one token per row, at its last position
-            tok_rows, positions = rows, lens - 1
+            tok_base, positions = base, lens - 1
         else:
             tok = np.repeat(np.arange(b), np.diff(qo))
-            tok_rows = rows[tok]
+            tok_base = base[tok]
             positions = lens[tok] - (qo[tok + 1] - np.arange(t))
-        slots = table[tok_rows, positions // bs].astype(np.int64) * bs + positions % bs
-        pages = np.diff(kvp)
-        page = np.repeat(np.arange(b), pages)
-        kv_indices = table[rows[page], np.arange(nnz) - kvp[page]]
+        slots = flat.take(tok_base + positions // bs).astype(np.int64) * bs + positions % bs
+        # each row's first pages, row after row: entry j of row i is at base[i] + j
+        kv_indices = flat.take(np.repeat(base - kvp[:-1], np.diff(kvp)) + np.arange(nnz))
         return StepInputs(
             out.input_ids, positions, slots, qo, seq_lens, kvp, kv_indices, out.kv_last_page_len
         )

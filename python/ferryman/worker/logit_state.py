@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ferryman.outputs import Logprob
+from ferryman.worker.sampler import ranked_logprobs
 from ferryman.worker.transfer import to_device
 
 _NONE = np.zeros(0, np.int64)
@@ -48,23 +49,14 @@ class PromptArgs:
 
 def prompt_logprobs(logits: torch.Tensor, a: PromptArgs) -> list[tuple[int, int, dict[int, Logprob], int]]:
     """(core id, prompt position, {token: Logprob}, the target's rank) from the logits of
-    ``a.at``'s rows: the target's logprob and the top N (log-softmax of the raw logits; the top N
-    ranked 1..N in order), and the target's rank in the vocabulary (1: the most likely; vLLM's
-    ``Logprob.rank``)."""
-    lp = torch.log_softmax(logits, dim=-1)
-    chosen_t = lp.gather(1, torch.from_numpy(a.targets).to(lp.device)[:, None])
-    ranks = ((lp > chosen_t).sum(dim=-1) + 1).tolist()
-    chosen = chosen_t[:, 0].tolist()
-    top = int(a.top.max()) if len(a.top) else 0
-    vals, ids = lp.topk(top, dim=-1) if top else (lp[:, :0], lp[:, :0].long())
-    vals_l, ids_l = vals.tolist(), ids.tolist()
+    ``a.at``'s rows: the target's logprob and the top N (log-softmax of the raw logits), ranked as
+    ``ranked_logprobs`` ranks them; the target's rank is vLLM's ``Logprob.rank`` (1: the most
+    likely)."""
+    targets = torch.from_numpy(a.targets).to(logits.device)
+    dicts = ranked_logprobs(logits, targets, a.top.tolist())
     out = []
-    for i, (r, pos, t, n) in enumerate(
-        zip(a.req_ids.tolist(), a.positions.tolist(), a.targets.tolist(), a.top.tolist(), strict=True)
-    ):
-        d = {k: Logprob(v, j + 1) for j, (k, v) in enumerate(zip(ids_l[i][:n], vals_l[i][:n], strict=True))}
-        d[t] = Logprob(chosen[i], int(ranks[i]))
-        out.append((r, pos, d, int(ranks[i])))
+    for r, pos, t, d in zip(a.req_ids.tolist(), a.positions.tolist(), a.targets.tolist(), dicts, strict=True):
+        out.append((r, pos, d, int(d[t].rank or 0)))
     return out
 
 

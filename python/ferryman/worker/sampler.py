@@ -125,24 +125,33 @@ def gather_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int | None]
 ) -> list[dict[int, Logprob] | None]:
     """For rows that ask for logprobs: the sampled token's and the top-N of the model's
-    distribution (log-softmax of the raw logits, or of those a grammar masks), as ``{token_id:
-    Logprob}``: the top N ranked 1..N in order, the sampled token by how many tokens are likelier
-    (1 + their count); a token a grammar forbids (-inf) is never among the top N, so fewer may
-    come."""
+    distribution (log-softmax of the raw logits, or of those a grammar masks), as
+    ``ranked_logprobs`` gives them."""
     rows = [i for i, n in enumerate(wanted) if n is not None]
     out: list[dict[int, Logprob] | None] = [None] * len(wanted)
-    if not rows:
-        return out
-    lp = torch.log_softmax(logits[rows], dim=-1)
-    top = max(wanted[i] or 0 for i in rows)
-    vals, ids = lp.topk(top, dim=-1) if top > 0 else (lp[:, :0], lp[:, :0].long())
-    chosen_t = lp.gather(1, tokens[rows].long()[:, None])
+    if rows:
+        dicts = ranked_logprobs(logits[rows], tokens[rows].long(), [wanted[i] or 0 for i in rows])
+        for i, d in zip(rows, dicts, strict=True):
+            out[i] = d
+    return out
+
+
+def ranked_logprobs(logits: torch.Tensor, targets: torch.Tensor, tops: list[int]) -> list[dict[int, Logprob]]:
+    """Per row of ``logits`` (its log-softmax): ``{token_id: Logprob}`` of its top ``tops[i]``
+    tokens, ranked 1..N in order, and of its target (``targets[i]``, int64 on the logits'
+    device), ranked 1 + the tokens likelier (vLLM's ``Logprob.rank``); a -inf token (one a
+    grammar forbids) is never among the top N, so fewer may come."""
+    lp = torch.log_softmax(logits, dim=-1)
+    chosen_t = lp.gather(1, targets[:, None])
     ranks = ((lp > chosen_t).sum(dim=-1) + 1).tolist()
     chosen = chosen_t[:, 0].tolist()
-    for j, i in enumerate(rows):
-        n = wanted[i] or 0
-        pairs = zip(ids[j, :n].tolist(), vals[j, :n].tolist(), strict=True)
-        d = {int(t): Logprob(v, k + 1) for k, (t, v) in enumerate(pairs) if v != float("-inf")}
-        d[int(tokens[i])] = Logprob(chosen[j], int(ranks[j]))
-        out[i] = d
+    top = max(tops, default=0)
+    vals, ids = lp.topk(top, dim=-1) if top > 0 else (lp[:, :0], lp[:, :0].long())
+    vals_l, ids_l = vals.tolist(), ids.tolist()
+    out = []
+    for i, (t, n) in enumerate(zip(targets.tolist(), tops, strict=True)):
+        pairs = zip(ids_l[i][:n], vals_l[i][:n], strict=True)
+        d = {k: Logprob(v, j + 1) for j, (k, v) in enumerate(pairs) if v != float("-inf")}
+        d[t] = Logprob(chosen[i], int(ranks[i]))
+        out.append(d)
     return out

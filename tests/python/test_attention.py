@@ -4,6 +4,7 @@ decode steps of two interleaved requests, against one dense causal attention per
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -402,23 +403,22 @@ def test_selector_gives_torch_on_cpu_and_refuses_flashinfer_there() -> None:
     assert "flashinfer" not in sys.modules  # on a CPU device the rule never looks for it
 
 
-def test_gpu_benchmark_script_dry_runs_on_cpu() -> None:
-    """benchmarks/gpu_bench.py is what scripts/gpu_check.sh runs on a GPU; its --smoke mode runs
-    every code path on CPU with a tiny model, so the script cannot rot while no GPU is around."""
+def run_benchmark(script: str, *args: str) -> dict[str, Any]:
+    """The JSON a script of benchmarks/ prints, run as its own process."""
     import json
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[2]
-    args = ["--smoke", "--batches", "1,3", "--context", "24", "--steps", "2"]
-    p = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "gpu_bench.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    report = json.loads(p.stdout)
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / script
+    cmd = [sys.executable, str(path), *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
+    return json.loads(p.stdout)
+
+
+def test_gpu_benchmark_script_dry_runs_on_cpu() -> None:
+    """benchmarks/gpu_bench.py is what scripts/gpu_check.sh runs on a GPU; its --smoke mode runs
+    every code path on CPU with a tiny model, so the script cannot rot while no GPU is around."""
+    report = run_benchmark("gpu_bench.py", "--smoke", "--batches", "1,3", "--context", "24", "--steps", "2")
     assert [d["batch"] for d in report["decode"]] == [1, 3]
     assert all(d["decode_tokens_per_s"] > 0 and d["prefill_tokens_per_s"] > 0 for d in report["decode"])
     assert [s["block_size"] for s in report["swap"]] == [16, 64]
@@ -428,19 +428,6 @@ def test_gpu_benchmark_script_dry_runs_on_cpu() -> None:
 
 def test_block_table_benchmark_runs() -> None:
     """benchmarks/block_table.py on a small batch: every request decodes in every timed step."""
-    import json
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[2]
-    args = ["--rows", "6", "--context", "40", "--steps", "5"]
-    p = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "block_table.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    report = json.loads(p.stdout)
+    report = run_benchmark("block_table.py", "--rows", "6", "--context", "40", "--steps", "5")
     assert report["rows"] == 6 and report["step_us"] > 0
     assert report["pages_last_step"] == 6 * -(-(40 + 5 + 1) // 16)  # 3 pages a row: 40 + 6 tokens

@@ -9,7 +9,9 @@ every prompt is prefilled and ``--warmup`` decode steps, ``--steps`` decode step
   to last end, per step; ``idle_of_span`` = 1 - busy / span: the share of the time the device
   waited for the host (the issue's target: at most 0.05 with overlap at batch 256);
 - ``unprofiled``: ``--steps`` decode steps before those, without the profiler (whose per-op
-  recording is host time too): the median step, and the host's time by phase (``host_phases``).
+  recording is host time too): the median step, and the host's time by phase (``host_phases``);
+- ``python_top``: the Python functions with the most own time over ``--steps`` steps under
+  cProfile (``python_profile``).
 
 ``--smoke`` runs the same code on CPU with a tiny model, the ``aten::`` ops standing in for
 kernels (what CI checks; the figures mean nothing there).
@@ -70,6 +72,7 @@ def run(path: str, overlap: bool, a: argparse.Namespace) -> dict[str, Any]:
     for _ in range(a.warmup):
         eng.step()
     host = host_phases(eng, a.steps)  # no profiler: its own per-op cost would count as host time
+    py = python_profile(eng, a.steps)
     acts = [ProfilerActivity.CPU] + ([] if smoke else [ProfilerActivity.CUDA])
     sync()
     with profile(activities=acts) as prof:
@@ -88,7 +91,30 @@ def run(path: str, overlap: bool, a: argparse.Namespace) -> dict[str, Any]:
         "idle_of_span": round(1 - busy / span, 4) if span else None,
         "cuda_graph_steps": eng.stats()["num_cuda_graph_steps"],
         "unprofiled": host,
+        "python_top": py,
     }
+
+
+def python_profile(eng: Engine, steps: int, top: int = 25) -> list[list[Any]]:
+    """cProfile over ``steps`` steps: the ``top`` functions by own time, as ``[function, calls
+    per step, own µs per step, cumulative µs per step]`` (cProfile's hooks inflate Python-heavy
+    code, so read this for where the host's time goes, not for its size)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    sync()
+    prof.enable()
+    for _ in range(steps):
+        eng.step()
+    sync()
+    prof.disable()
+    st = pstats.Stats(prof)
+    rows = []
+    for (file, line, fn), (_, nc, tt, ct, _) in st.stats.items():  # type: ignore[attr-defined]
+        where = f"{Path(file).name}:{line}:{fn}" if line else fn
+        rows.append([where, round(nc / steps, 1), round(tt / steps * 1e6, 1), round(ct / steps * 1e6, 1)])
+    return sorted(rows, key=lambda r: -r[2])[:top]
 
 
 def host_phases(eng: Engine, steps: int) -> dict[str, float]:

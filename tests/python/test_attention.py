@@ -124,13 +124,13 @@ def test_kv_writer_writes_k_and_v_of_one_qkv_buffer_in_one_go(rows: int) -> None
 
 @pytest.mark.parametrize("seed", range(4))
 def test_staged_swaps_move_what_copying_each_run_moves(seed: int) -> None:
-    """The staging path (device blocks gathered into a buffer of 3 blocks, copied by host runs;
+    """The staging path (device blocks gathered into halves of a buffer of 6 blocks, copied by host runs;
     scattered back on swap-in) against plain run copies, on random plans: scattered device
     blocks with host blocks in runs or scattered, swap-out then swap-in in one step."""
     from ferryman.worker.kv_cache import KvCache, host_runs
 
     rng = np.random.default_rng(seed)
-    pools = [KvCache(2, 40, 30, 2, 1, 4, torch.float32, torch.device("cpu"), staging=s) for s in (None, 3)]
+    pools = [KvCache(2, 40, 30, 2, 1, 4, torch.float32, torch.device("cpu"), staging=s) for s in (None, 6)]
     start = torch.randn_like(pools[0].device_kv)
     for kv in pools:
         kv.device_kv.copy_(start)
@@ -157,7 +157,7 @@ def test_staged_swaps_move_what_copying_each_run_moves(seed: int) -> None:
 def test_a_plan_is_staged_only_where_that_saves_host_copies() -> None:
     from ferryman.worker.kv_cache import KvCache
 
-    kv = KvCache(1, 20, 20, 2, 1, 4, torch.float32, torch.device("cpu"), staging=4)
+    kv = KvCache(1, 20, 20, 2, 1, 4, torch.float32, torch.device("cpu"), staging=8)
     none = np.zeros((0, 2), np.int32)
     kv.run_plans(np.array([[3, 1], [4, 2], [5, 3]], np.int32), none, none)  # one run already
     assert kv.num_staged_swaps == 0

@@ -17,12 +17,13 @@ so no freed block is rewritten, and no swapped-in block read, before its copy is
 
 A swap whose blocks are scattered on the device but run on in the host pool goes through a
 device staging buffer (CUDA, with a host pool; ``STAGING_BYTES``): each chunk of blocks is
-gathered into it with one kernel and copied out by host runs (swap-in: copied in by host runs,
-then scattered with one kernel), so a plan of n scattered blocks costs a few large host copies
-instead of n small ones, each of which pays a fixed cost (on an H200, 1,024 scattered blocks of
-2 MiB moved 0.79 of a plain copy's bandwidth copied run by run, 0.89 staged). A plan is staged
-only where that makes fewer host copies; all of it runs on the copy stream, in order, so chunks
-reuse the buffer safely.
+gathered into one half of it with one kernel and copied out by host runs (swap-in: copied in by
+host runs, then scattered with one kernel), so a plan of n scattered blocks costs a few large
+host copies instead of n small ones, each of which pays a fixed cost (on an H200, 1,024
+scattered blocks of 2 MiB moved 0.79 of a plain copy's bandwidth copied run by run, 0.89 staged
+through one buffer). A plan is staged only where that makes fewer host copies. The gathers and
+scatters run on a side stream, the host copies on the copy stream, so one half's kernel overlaps
+the other half's host copy; events order each half's reuse.
 
 The device pool starts zeroed (the null block pads reads). On the CPU it is anonymous memory,
 which the kernel hands out as zero pages on first touch: a large pool costs nothing at start-up
@@ -31,8 +32,10 @@ until blocks are written, where ``torch.zeros`` would write all of it (~0.3 s fo
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,12 +54,32 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
 
 
-STAGING_BYTES = 64 << 20  # device memory a swap is staged through (whole blocks, at least one)
+STAGING_BYTES = 128 << 20  # device memory a swap is staged through (whole blocks, at least one)
 
 
 def staging_blocks(bytes_per_block: int) -> int:
     """Blocks of the staging buffer: ``STAGING_BYTES`` worth, at least one."""
     return max(1, STAGING_BYTES // bytes_per_block)
+
+
+def _on(stream: torch.cuda.Stream | None) -> Any:
+    """A context running on ``stream`` (none on the CPU)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _record(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    """An event recorded on ``stream`` now (None on the CPU)."""
+    if stream is None:
+        return None
+    ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    ev.record(stream)
+    return ev
+
+
+def _wait(stream: torch.cuda.Stream | None, ev: torch.cuda.Event | None) -> None:
+    """``stream`` waits for ``ev`` (nothing to wait for on the CPU)."""
+    if stream is not None and ev is not None:
+        stream.wait_event(ev)
 
 
 def host_runs(host_ids: np.ndarray) -> int:
@@ -115,6 +138,7 @@ class KvCache:
         # left untouched until used; device blocks are zeroed because the null block pads reads
         self.host_kv = torch.empty((num_host_blocks + 1, *block), dtype=dtype, pin_memory=self._cuda)
         self._copy_stream = torch.cuda.Stream(device) if self._cuda else None  # type: ignore[no-untyped-call]
+        self._side_stream = torch.cuda.Stream(device) if self._cuda else None  # type: ignore[no-untyped-call]
         self._pending_swap_out: torch.cuda.Event | None = None  # a swap-out the forward did not wait for
         if staging is None and self._cuda and num_host_blocks > 0:
             per_block = self.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
@@ -186,7 +210,7 @@ class KvCache:
             self._copy_runs(plan, src, dst)
             return
         host = plan[:, 1] if to_host else plan[:, 0]
-        chunks = -(-len(plan) // len(self._staging))
+        chunks = -(-len(plan) // self._chunk_blocks())
         if host_runs(host) + chunks >= len(contiguous_runs(plan)):
             self._copy_runs(plan, src, dst)
             return
@@ -195,34 +219,57 @@ class KvCache:
 
     def _staged(self, plan: np.ndarray, to_host: bool) -> None:
         """``plan`` sorted by host block: chunk by chunk, the device side gathered into (or
-        scattered from) the staging buffer with one kernel, the host side copied by runs."""
+        scattered from) a half of the staging buffer with one kernel, the host side copied by
+        runs. On CUDA the kernels run on a side stream, so chunk c+1's gather (or chunk c-1's
+        scatter) overlaps chunk c's host copy on the copy stream; each half waits for its last
+        use on the other stream before it is reused."""
         assert self._staging is not None
         h, d = (1, 0) if to_host else (0, 1)
         # the gather and scatter index rows of [blocks, block elements] views (the same memory):
         # a 2-D index kernel, not one that works out six coordinates per element
         flat_dev = self.device_kv.view(self.device_kv.shape[0], -1)
-        flat_stage = self._staging.view(self._staging.shape[0], -1)
-        for start in range(0, len(plan), len(self._staging)):
-            rows = plan[start : start + len(self._staging)]
-            n = len(rows)
-            dev_idx = to_device(rows[:, d].astype(np.int64), self.device_kv.device)
+        size = self._chunk_blocks()
+        halves = [self._staging[i * size : (i + 1) * size] for i in range(len(self._staging) // size)]
+        side, copy = self._side_stream, self._copy_stream
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(self.device_kv.device))  # the copy stream
+        with _on(side):
+            dev_all = to_device(plan[:, d].astype(np.int64), self.device_kv.device)
+        free: list[torch.cuda.Event | None] = [None] * len(halves)  # each half's last use
+        for c, start in enumerate(range(0, len(plan), size)):
+            rows = plan[start : start + size]
+            n, k = len(rows), c % len(halves)
+            dev_idx = dev_all[start : start + n]
+            stage = halves[k][:n]
+            flat_stage = stage.view(n, -1)
             # (host start, staging start, length) of each run of consecutive host blocks
             runs = contiguous_runs(np.stack([rows[:, h], np.arange(n)], axis=1)).tolist()
-            stage = self._staging[:n]
+            host = [self.host_kv[hs : hs + m] for hs, _, m in runs]
+            staged = [stage[i : i + m] for _, i, m in runs]
             if to_host:
-                torch.index_select(flat_dev, 0, dev_idx, out=flat_stage[:n])
-                torch._foreach_copy_(
-                    [self.host_kv[hs : hs + k] for hs, _, k in runs],
-                    [stage[i : i + k] for _, i, k in runs],
-                    non_blocking=self._cuda,
-                )
+                with _on(side):
+                    _wait(side, free[k])
+                    torch.index_select(flat_dev, 0, dev_idx, out=flat_stage)
+                    gathered = _record(side)
+                _wait(copy, gathered)
+                torch._foreach_copy_(host, staged, non_blocking=self._cuda)
+                free[k] = _record(copy)
             else:
-                torch._foreach_copy_(
-                    [stage[i : i + k] for _, i, k in runs],
-                    [self.host_kv[hs : hs + k] for hs, _, k in runs],
-                    non_blocking=self._cuda,
-                )
-                flat_dev.index_copy_(0, dev_idx, flat_stage[:n])
+                _wait(copy, free[k])
+                torch._foreach_copy_(staged, host, non_blocking=self._cuda)
+                loaded = _record(copy)
+                with _on(side):
+                    _wait(side, loaded)
+                    flat_dev.index_copy_(0, dev_idx, flat_stage)
+                    free[k] = _record(side)
+        if side is not None and copy is not None:
+            copy.wait_stream(side)  # what follows on the copy stream sees every scatter
+
+    def _chunk_blocks(self) -> int:
+        """Blocks per staged chunk: half the buffer (two chunks in flight), or all of a buffer
+        of one block."""
+        assert self._staging is not None
+        return max(1, len(self._staging) // 2)
 
     def _copy_runs(self, plan: np.ndarray, src: torch.Tensor, dst: torch.Tensor) -> None:
         """One plan's runs in one multi-tensor copy call (the per-run dispatch happens in C++, not

@@ -90,6 +90,7 @@ def run(path: str, overlap: bool, a: argparse.Namespace) -> dict[str, Any]:
         "span_ms": round(span / a.steps / 1e6, 3),
         "idle_of_span": round(1 - busy / span, 4) if span else None,
         "cuda_graph_steps": eng.stats()["num_cuda_graph_steps"],
+        "fast_plans": eng.runner.graphs.num_fast_plans if eng.runner.graphs is not None else 0,
         "unprofiled": host,
         "python_top": py,
     }

@@ -107,7 +107,59 @@ def test_cuda_graph_logits_match_eager(tmp_path: Path) -> None:
     (worst,), steps = lockstep([eager, graphs], s)
     print(f"graphs vs eager: worst relative logit error {worst:.2e} over {steps} steps")
     assert graphs.num_graph_steps >= 19
+    assert graphs.graphs.num_fast_plans >= 18  # every plan after a size's first (FastDecodePlan)
     assert worst < 2e-2
+
+
+@pytest.mark.parametrize(("heads", "head_dim"), [((8, 2), 128), ((9, 3), 64)])
+def test_fast_decode_plan_runs_what_flashinfers_own_plan_runs(heads: tuple[int, int], head_dim: int) -> None:
+    """Two CUDA-graph decode wrappers over one cache, one planned by FlashInfer's ``plan()`` each
+    step, the other by ``FastDecodePlan`` after its first: the same output, bit for bit, over
+    batches from one page per row to 200 (which change how FlashInfer splits the KV)."""
+    import flashinfer
+
+    from ferryman.attention.flashinfer_backend import PlanArgs
+    from ferryman.attention.flashinfer_plan import FastDecodePlan
+
+    dev, dt, bs, size = torch.device("cuda"), torch.bfloat16, 16, 32
+    (hq, hkv), d = heads, head_dim
+    rng, blocks = np.random.default_rng(0), size * 200 + 1
+    torch.manual_seed(0)
+    cache = torch.randn(blocks, 2, bs, hkv, d, device=dev, dtype=dt)
+    q = torch.randn(size, hq, d, device=dev, dtype=dt)
+
+    def graph_wrapper() -> object:
+        return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            torch.zeros(128 << 20, dtype=torch.uint8, device=dev),
+            kv_layout="NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=True,
+            paged_kv_indptr_buffer=torch.zeros(size + 1, dtype=torch.int32, device=dev),
+            paged_kv_indices_buffer=torch.zeros(blocks, dtype=torch.int32, device=dev),
+            paged_kv_last_page_len_buffer=torch.zeros(size, dtype=torch.int32, device=dev),
+        )
+
+    own, fast_w = graph_wrapper(), graph_wrapper()
+    fast = FastDecodePlan(fast_w, size, hq, hkv, d)
+    args = PlanArgs(hq, hkv, d, bs, dt, d**-0.5, dev)
+    for trial, most in enumerate((1, 3, 40, 200, 2, 120)):
+        pages = rng.integers(1, most + 1, size)
+        indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+        indices = rng.permutation(np.arange(1, blocks))[: indptr[-1]].astype(np.int32)
+        last = rng.integers(1, bs + 1, size).astype(np.int32)
+        host = [torch.from_numpy(a).pin_memory() for a in (indptr, indices, last)]
+        args.plan_decode(own, host[0], host[1].to(dev), host[2])
+        if trial == 0:
+            assert not fast.usable()  # not planned yet
+            args.plan_decode(fast_w, host[0], host[1].to(dev), host[2])
+            continue
+        assert fast.usable()
+        fast_w._paged_kv_indptr_buf.copy_(host[0])
+        fast_w._paged_kv_indices_buf[: len(indices)].copy_(host[1])
+        fast_w._paged_kv_last_page_len_buf.copy_(host[2])
+        args.replan_decode(fast, indptr, last)
+        want, got = own.run(q, cache), fast_w.run(q, cache)
+        assert torch.equal(got, want), f"trial {trial}: up to {most} pages per row"
 
 
 def test_flashinfer_backend_matches_the_torch_reference() -> None:

@@ -329,12 +329,46 @@ def test_graph_padding_keeps_the_step_and_pads_on_the_null_block() -> None:
     s.update(np.ones(3, dtype=np.int32))
 
 
+def test_step_staging_packs_a_padded_step_into_each_sizes_views() -> None:
+    """One copy carries a graph step: after ``stage``, the device buffer's views of that size hold
+    exactly the padded step (ids, positions and slots as int64; the page table as int32), the
+    host buffers rotate, and a later, smaller step leaves the larger rows' old values only past
+    its own rows."""
+    from ferryman.attention.flashinfer_graphs import PaddedDecode, StepStaging
+
+    st = StepStaging(8, 3, torch.device("cpu"))
+    rng = np.random.default_rng(0)
+    hosts = []
+    for size in (8, 4, 8, 2, 1):
+        pages = rng.integers(1, 4, size)
+        indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+        p = PaddedDecode(
+            input_ids=rng.integers(0, 1 << 40, size),  # past int32, so the int64 rows are checked
+            positions=rng.integers(0, 48, size),
+            slot_mapping=rng.integers(0, 1 << 33, size),
+            kv_indptr=indptr,
+            kv_indices=rng.integers(1, 100, int(indptr[-1])).astype(np.int32),
+            kv_last_page_len=rng.integers(1, 17, size).astype(np.int32),
+        )
+        hosts.append(st.stage(p).data_ptr())
+        buf = st.device_buf
+        inputs = st.inputs(size)
+        assert inputs.dtype == torch.int64 and inputs.shape == (3, size)
+        assert inputs[0].tolist() == p.input_ids.tolist()
+        assert inputs[1].tolist() == p.positions.tolist()
+        assert inputs[2].tolist() == p.slot_mapping.tolist()
+        assert st.kv_indptr(buf, size).tolist() == p.kv_indptr.tolist()
+        assert st.kv_last_page_len(buf, size).tolist() == p.kv_last_page_len.tolist()
+        assert st.kv_indices(buf)[: len(p.kv_indices)].tolist() == p.kv_indices.tolist()
+    assert len(set(hosts[: StepStaging.RING])) == StepStaging.RING and hosts[StepStaging.RING] == hosts[0]
+
+
 def test_graph_attention_writes_kv_where_the_static_slots_say_at_each_call() -> None:
     """A captured graph replays with new contents in the same slot buffer, so (block, offset)
     must come from the buffer inside the forward, at every call. The wrapper here only hands back
     q: what is checked is the K/V write that precedes it."""
     from ferryman.attention.flashinfer_backend import PlanArgs
-    from ferryman.attention.flashinfer_graphs import _GraphAttention
+    from ferryman.attention.flashinfer_graphs import StepStaging, _GraphAttention
     from ferryman.worker.kv_cache import KvCache
 
     class Identity:
@@ -342,8 +376,9 @@ def test_graph_attention_writes_kv_where_the_static_slots_say_at_each_call() -> 
             return q
 
     kv = KvCache(2, 4, 0, 4, 1, 2, torch.float32, torch.device("cpu"))
-    inputs = torch.zeros((3, 1), dtype=torch.long)  # ids, positions, slots of a size-1 graph
-    attn = _GraphAttention(kv.layers(), Identity(), inputs, PlanArgs(1, 1, 2, 4, torch.float32, 1.0))
+    staging = StepStaging(1, 4, torch.device("cpu"))  # a size-1 graph's ids, positions, slots
+    attn = _GraphAttention(kv.layers(), Identity(), staging, 1, PlanArgs(1, 1, 2, 4, torch.float32, 1.0))
+    inputs = attn.inputs
     q = torch.zeros(1, 1, 2)
     for slot, value in ((5, 1.0), (14, 2.0)):  # block 1, offset 1; then block 3, offset 2
         inputs[2, 0] = slot
@@ -431,3 +466,39 @@ def test_block_table_benchmark_runs() -> None:
     report = run_benchmark("block_table.py", "--rows", "6", "--context", "40", "--steps", "5")
     assert report["rows"] == 6 and report["step_us"] > 0
     assert report["pages_last_step"] == 6 * -(-(40 + 5 + 1) // 16)  # 3 pages a row: 40 + 6 tokens
+
+
+@pytest.mark.parametrize(
+    ("places", "src"),
+    [([2, 3, 4], [1, 2, 3]), ([0, 2], [3, 1]), ([1, 2], [4, 0]), ([5], [0])],
+)
+def test_inflight_inputs_land_at_their_places(places: list[int], src: list[int]) -> None:
+    """Async scheduling: a step's inputs that the previous step is still sampling are written
+    from that step's ids on the device, as a slice copy where both sides run consecutively (a
+    decode batch that kept its order) and by index otherwise; both give the same ids."""
+    from types import SimpleNamespace
+
+    from ferryman.attention.base import put_inflight
+    from ferryman.worker.model_runner import ModelRunner
+
+    runner = SimpleNamespace(device=torch.device("cpu"))
+    out = SimpleNamespace(
+        inflight_token_indices=np.array(places, np.int32), inflight_sample_indices=np.array(src, np.int32)
+    )
+    prev = torch.tensor([70, 71, 72, 73, 74], dtype=torch.int32)
+    fill = ModelRunner._inflight_inputs(runner, out, prev)  # type: ignore[arg-type]
+    assert fill is not None
+    assert isinstance(fill[0], slice) == (
+        places == list(range(places[0], places[0] + len(places)))
+        and src == list(range(src[0], src[0] + len(src)))
+    )
+    ids = torch.arange(6, dtype=torch.int64)
+    put_inflight(ids, fill)
+    want = list(range(6))
+    for p, s in zip(places, src, strict=True):
+        want[p] = 70 + s
+    assert ids.tolist() == want
+    empty = SimpleNamespace(
+        inflight_token_indices=np.zeros(0, np.int32), inflight_sample_indices=np.zeros(0, np.int32)
+    )
+    assert ModelRunner._inflight_inputs(runner, empty, None) is None  # type: ignore[arg-type]

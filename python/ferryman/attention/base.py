@@ -11,7 +11,9 @@ The K/V cache a backend writes is handed to it as layer tensors: layer i is a
 a block stride) of the block-major pool ``worker/kv_cache.py`` allocates. ``KvWriter`` owns how a
 slot of ``slot_mapping`` addresses that view: block ``slot // block_size``, offset
 ``slot % block_size``, computed once per step (``map``) and used by every layer (``write``). Both
-are tensor ops without a host sync, so a CUDA graph can capture them.
+are tensor ops without a host sync, so a CUDA graph can capture them. ``put_inflight`` writes a
+step's input ids that were still being sampled when it was planned (async scheduling) over the
+ids it staged, eager or before a graph's replay.
 """
 
 from __future__ import annotations
@@ -92,3 +94,15 @@ def _side_by_side(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
     if v.data_ptr() - k.data_ptr() != h * d * k.element_size():
         return None
     return k.as_strided((t, 2, h, d), (k.stride(0), h * d, d, 1))
+
+
+Inflight = tuple[torch.Tensor | slice, torch.Tensor]
+
+
+def put_inflight(input_ids: torch.Tensor, fill: Inflight) -> None:
+    """Writes the in-flight token ids over ``input_ids`` (int64) at their places."""
+    at, ids = fill
+    if isinstance(at, slice):
+        input_ids[at].copy_(ids)  # int32 -> int64 in the copy
+    else:
+        input_ids.index_copy_(0, at, ids)

@@ -83,6 +83,11 @@ class PlanArgs:
         with self._after_last_plan(wrapper):
             wrapper.plan(kv_indptr, kv_indices, kv_last_page_len, *self._shape(), **self._types())
 
+    def replan_decode(self, fast: Any, kv_indptr: Any, kv_last_page_len: Any) -> None:
+        """A CUDA-graph decode wrapper's re-plan (``FastDecodePlan``), its page table staged."""
+        with self._after_last_plan(fast.wrapper):
+            fast.plan(kv_indptr, kv_last_page_len, self.block_size)
+
     def plan_prefill(self, wrapper: Any, m: PlanMetadata) -> None:
         """Causal: FlashInfer aligns the mask bottom-right, as chunked prefill over cached context
         needs."""

@@ -12,15 +12,16 @@ no FlashInfer step reads it for a request (only the torch backend reads it, as m
 the torch backend never runs with graphs). Their outputs are dropped.
 
 Invariants: graphs are captured after the KV pool is allocated (they hold its address); every
-replay is preceded by that size's ``plan()`` with the step's page table (host-side; its inputs
-are already on the device, so planning does not wait for the GPU); (block, offset) of the K/V
-write is computed from the static slot buffer inside the captured forward, so each replay writes
-at its own step's slots; the host -> device copies of a step go through freshly pinned tensors,
-so a copy still in flight never has its source rewritten.
+replay is preceded by that size's plan with the step's page table (host-side, so planning does
+not wait for the GPU; the first by the wrapper's own ``plan()``, later ones by
+``FastDecodePlan`` where usable); (block, offset) of the K/V write is computed from the static
+slot buffer inside the captured forward, so each replay writes at its own step's slots; a step's
+inputs and page table reach the device in one copy from a page-locked buffer (``StepStaging``)
+that is not rewritten while that copy may still be queued.
 
-``capture_sizes``, ``graph_size`` and ``pad_decode`` are pure and tested on CPU, and so is the
-K/V write of a captured size's attention; capture and replay run only on CUDA and are checked
-against eager in ``tests/gpu``.
+``capture_sizes``, ``graph_size``, ``pad_decode`` and ``StepStaging``'s layout are tested on CPU,
+and so is the K/V write of a captured size's attention; capture, replay and the fast plan run
+only on CUDA and are checked against eager in ``tests/gpu``.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ferryman.attention.base import AttentionBackend, KvWriter, StepInputs
+from ferryman.attention.base import AttentionBackend, Inflight, KvWriter, StepInputs, put_inflight
 from ferryman.attention.flashinfer_backend import FlashInferBackend, PlanArgs, run_planned
+from ferryman.attention.flashinfer_plan import FastDecodePlan
 
 MAX_CAPTURE_SIZE = 256
 
@@ -93,31 +95,97 @@ def pad_decode(out: Any, size: int) -> PaddedDecode:
     )
 
 
+class StepStaging:
+    """Where every captured size reads its step from: one device buffer of int32 words, and
+    page-locked host buffers of the same layout (a ring of ``RING``) that a step is packed into
+    and copied from in one piece (one copy per step, where there were six). Layout, for the
+    largest size T: token ids, positions and slots as int64 rows ``[3, T]`` (words 0..6T),
+    ``kv_indptr`` (6T..7T+1), ``kv_last_page_len`` (7T+1..8T+1), then the page list; a size S
+    uses the first S entries of each row (S+1 of the indptr). A host buffer is rewritten only
+    after its last copy has run (an event per buffer, almost always long past)."""
+
+    RING = 4
+
+    def __init__(self, top: int, max_pages_per_row: int, device: torch.device) -> None:
+        self.top = top
+        words = 8 * top + 1 + top * max_pages_per_row + top
+        self.device_buf = torch.zeros(words, dtype=torch.int32, device=device)
+        self._cuda = device.type == "cuda"
+        self._host = [torch.zeros(words, dtype=torch.int32, pin_memory=self._cuda) for _ in range(self.RING)]
+        self._copied: list[Any] = [None] * self.RING  # the event after each host buffer's copy
+        self._next = 0
+
+    def inputs(self, size: int) -> torch.Tensor:
+        """The device's int64 ``[3, size]`` view: token ids, positions, slots."""
+        t = self.top
+        return self.device_buf[: 6 * t].view(torch.int64).view(3, t)[:, :size]
+
+    def kv_indptr(self, buf: torch.Tensor, size: int) -> torch.Tensor:
+        return buf[6 * self.top : 6 * self.top + size + 1]
+
+    def kv_last_page_len(self, buf: torch.Tensor, size: int) -> torch.Tensor:
+        return buf[7 * self.top + 1 : 7 * self.top + 1 + size]
+
+    def kv_indices(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf[8 * self.top + 1 :]
+
+    def stage(self, p: PaddedDecode) -> torch.Tensor:
+        """Packs ``p`` into the next host buffer and queues its copy to the device buffer on the
+        current stream; returns that host buffer (which the plan reads ``kv_indptr`` from)."""
+        i, self._next = self._next, (self._next + 1) % self.RING
+        if self._copied[i] is not None:
+            self._copied[i].synchronize()
+        host, t, size = self._host[i], self.top, len(p.input_ids)
+        h = host.numpy()
+        rows = h[: 6 * t].view(np.int64).reshape(3, t)
+        rows[0, :size], rows[1, :size], rows[2, :size] = p.input_ids, p.positions, p.slot_mapping
+        h[6 * t : 6 * t + size + 1] = p.kv_indptr
+        h[7 * t + 1 : 7 * t + 1 + size] = p.kv_last_page_len
+        n = 8 * t + 1 + len(p.kv_indices)
+        h[8 * t + 1 : n] = p.kv_indices
+        self.device_buf[:n].copy_(host[:n], non_blocking=self._cuda)
+        if self._cuda:
+            self._copied[i] = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._copied[i].record()
+        return host
+
+
 class _GraphAttention:
     """One captured size's attention, an ``AttentionBackend``. ``plan(out)`` pads the step to the
-    size and stages everything the captured forward reads: token ids, positions and slots (one
-    copy into ``inputs``, ``[3, size]``) and the page table (the size's CUDA-graph decode
-    wrapper). ``forward`` maps the static slots to (block, offset) at layer 0, inside the captured
-    forward, so each replay writes K/V at that step's slots."""
+    size and stages everything the captured forward reads (``StepStaging``): token ids,
+    positions, slots and the page table, which the size's CUDA-graph decode wrapper reads from
+    the same device buffer; then re-plans the wrapper (``FastDecodePlan`` where usable, else its
+    own ``plan()``). ``forward`` maps the static slots to (block, offset) at layer 0, inside the
+    captured forward, so each replay writes K/V at that step's slots."""
 
     def __init__(
-        self, kv_layers: Sequence[torch.Tensor], wrapper: Any, inputs: torch.Tensor, args: PlanArgs
+        self,
+        kv_layers: Sequence[torch.Tensor],
+        wrapper: Any,
+        staging: StepStaging,
+        size: int,
+        args: PlanArgs,
+        fast: FastDecodePlan | None = None,
     ) -> None:
-        self.layers, self.wrapper, self.inputs, self.args = list(kv_layers), wrapper, inputs, args
-        self.size = int(inputs.shape[1])
-        self.writer = KvWriter(args.block_size, inputs.device)
+        self.layers, self.wrapper, self.staging, self.args = list(kv_layers), wrapper, staging, args
+        self.size, self.fast = size, fast
+        self.inputs = staging.inputs(size)
+        self.writer = KvWriter(args.block_size, self.inputs.device)
+        self.num_fast_plans = 0
 
     def plan(self, out: StepInputs) -> None:
         self.stage(pad_decode(out, self.size))
 
     def stage(self, p: PaddedDecode) -> None:
-        host = torch.from_numpy(np.stack([p.input_ids, p.positions, p.slot_mapping])).pin_memory()
-        self.inputs.copy_(host, non_blocking=True)
-        indices = torch.from_numpy(p.kv_indices).pin_memory().to(self.inputs.device, non_blocking=True)
-        last_page_len = torch.from_numpy(p.kv_last_page_len).pin_memory()
-        self.args.plan_decode(
-            self.wrapper, torch.from_numpy(p.kv_indptr).pin_memory(), indices, last_page_len
-        )
+        st, size = self.staging, self.size
+        host = st.stage(p)
+        indptr, last = st.kv_indptr(host, size), st.kv_last_page_len(host, size)
+        if self.fast is not None and self.fast.usable():
+            self.args.replan_decode(self.fast, indptr.numpy(), last.numpy())
+            self.num_fast_plans += 1
+            return
+        indices = st.kv_indices(st.device_buf)[: len(p.kv_indices)]
+        self.args.plan_decode(self.wrapper, indptr, indices, last)
 
     def write_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.writer.write(self.layers[layer_idx], k, v)
@@ -144,8 +212,8 @@ class DecodeGraphs:
         dev = backend.device
         self.sizes = sizes
         top = sizes[-1]
-        self._inputs = torch.zeros((3, top), dtype=torch.long, device=dev)  # ids, positions, slots
-        self._indices = torch.zeros(top * max_pages_per_row + top, dtype=torch.int32, device=dev)
+        self.staging = st = StepStaging(top, max_pages_per_row, dev)
+        buf, a = st.device_buf, backend.args
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, _GraphAttention, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(sizes):  # largest first, so the smaller ones reuse its pool memory
@@ -154,11 +222,12 @@ class DecodeGraphs:
                 kv_layout="NHD",
                 use_cuda_graph=True,
                 use_tensor_cores=True,
-                paged_kv_indptr_buffer=torch.zeros(size + 1, dtype=torch.int32, device=dev),
-                paged_kv_indices_buffer=self._indices,
-                paged_kv_last_page_len_buffer=torch.zeros(size, dtype=torch.int32, device=dev),
+                paged_kv_indptr_buffer=st.kv_indptr(buf, size),  # views of the staged step
+                paged_kv_indices_buffer=st.kv_indices(buf),
+                paged_kv_last_page_len_buffer=st.kv_last_page_len(buf, size),
             )
-            attn = _GraphAttention(backend.layers, wrapper, self._inputs[:, :size], backend.args)
+            fast = FastDecodePlan(wrapper, size, a.num_qo_heads, a.num_kv_heads, a.head_dim)
+            attn = _GraphAttention(backend.layers, wrapper, st, size, a, fast)
             attn.stage(pad_decode(_EmptyStep(), size))
             ids, pos = attn.inputs[0], attn.inputs[1]
             side = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]
@@ -172,9 +241,12 @@ class DecodeGraphs:
             self._graphs[size] = (graph, attn, hidden)
         torch.cuda.synchronize(dev)
 
-    def run(
-        self, out: StepInputs, fill: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> torch.Tensor | None:
+    @property
+    def num_fast_plans(self) -> int:
+        """Plans done by ``FastDecodePlan`` rather than the wrapper's own ``plan()``."""
+        return sum(attn.num_fast_plans for _, attn, _ in self._graphs.values())
+
+    def run(self, out: StepInputs, fill: Inflight | None = None) -> torch.Tensor | None:
         """Hidden states ``[B, hidden]`` of a decode-only step, or None when no graph fits.
         ``fill``: (places, token ids) on the device for inputs still in flight (async
         scheduling), written over the staged ids before the replay."""
@@ -185,7 +257,7 @@ class DecodeGraphs:
         graph, attn, hidden = self._graphs[size]
         attn.plan(out)
         if fill is not None:
-            attn.inputs[0].index_copy_(0, fill[0], fill[1])
+            put_inflight(attn.inputs[0], fill)
         graph.replay()
         return hidden[:rows]
 

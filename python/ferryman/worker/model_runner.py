@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ferryman._core import SchedulerOutput
-from ferryman.attention.base import AttentionBackend
+from ferryman.attention.base import AttentionBackend, Inflight, put_inflight
 from ferryman.attention.flashinfer_backend import FlashInferBackend
 from ferryman.attention.flashinfer_graphs import DecodeGraphs, capture_sizes
 from ferryman.attention.selector import select_backend
@@ -106,24 +106,33 @@ class ModelRunner:
             self.attn.plan(step)
             input_ids = to_device(step.input_ids.astype(np.int64), self.device)
             if fill is not None:
-                input_ids[fill[0]] = fill[1]
+                put_inflight(input_ids, fill)
             positions = to_device(step.positions, self.device)
             hidden = self.model(input_ids, positions, self.attn, self.ops)
         at = out.logits_indices if also is None else np.concatenate([out.logits_indices, also])
+        if len(at) == len(hidden) and _consecutive(at) and (not len(at) or at[0] == 0):
+            return self.model.compute_logits(hidden)  # every token's row (decode): no gather
         return self.model.compute_logits(hidden[to_device(at, self.device)])
 
-    def _inflight_inputs(
-        self, out: SchedulerOutput, prev: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(places in ``input_ids``, token ids) of the inputs still in flight, on the device."""
-        if not len(out.inflight_token_indices):
+    def _inflight_inputs(self, out: SchedulerOutput, prev: torch.Tensor | None) -> Inflight | None:
+        """(places in ``input_ids``, token ids) of the inputs still in flight, on the device: a
+        slice and a slice of ``prev`` when both sides are consecutive (a decode batch whose rows
+        kept their order: no index copies), else index tensors."""
+        places, src = out.inflight_token_indices, out.inflight_sample_indices
+        if not len(places):
             return None
         if prev is None:
             raise RuntimeError("this step's inputs name samples of a step that did not run here")
+        p0, s0, n = int(places[0]), int(src[0]), len(places)
+        if places[-1] - p0 == n - 1 == src[-1] - s0 and _consecutive(places) and _consecutive(src):
+            return slice(p0, p0 + n), prev[s0 : s0 + n]
         dev = self.device
-        places = to_device(out.inflight_token_indices.astype(np.int64), dev)
-        src = to_device(out.inflight_sample_indices.astype(np.int64), dev)
-        return places, prev[src].long()
+        at = to_device(places.astype(np.int64), dev)
+        return at, prev[to_device(src.astype(np.int64), dev)].long()
+
+
+def _consecutive(a: np.ndarray) -> bool:
+    return bool((np.diff(a) == 1).all())
 
 
 def runner_with_pool(

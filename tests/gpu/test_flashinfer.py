@@ -394,3 +394,38 @@ def test_flashinfer_masked_kv_positions_contribute_nothing_whatever_they_hold(
     outs = eng.generate(prompts, params)
     assert [o.error for o in outs] == [None] * len(prompts)
     assert [o.outputs[0].token_ids for o in outs] == want
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_cuda_sampler_flags_non_finite_rows_and_takes_the_first_largest(temperature: float) -> None:
+    """On CUDA, greedy is the row's maximum with argmax's index (the first largest, here in rows
+    of ties), and ``ok`` is False exactly for rows with a NaN or +inf, or all -inf, read off that
+    maximum; a single -inf among finite logits samples normally."""
+    from ferryman.sampling_params import SamplingParams
+    from ferryman.worker.sampling_table import SamplingTable
+
+    vocab, n, dev = 64, 6, torch.device("cuda")
+    table = SamplingTable(n, dev, vocab)
+    for i in range(n):
+        table.set(i, SamplingParams(temperature=temperature, max_tokens=4), seed=i)
+    ids = np.arange(n, dtype=np.int64)
+
+    class Plan:  # what ``args`` reads of a planned step
+        added_req_ids = sample_req_ids = ids
+        rows_added = ids.astype(np.int32)
+
+    args = table.args(Plan())
+    table.write_rows(args)
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(0))
+    logits[1, 3] = float("nan")
+    logits[2, 7] = float("inf")
+    logits[3, :] = float("-inf")
+    logits[4, 5] = float("-inf")
+    logits[5, :] = 1.0
+    logits[5, [9, 20, 41]] = 2.0  # ties: the first, 9
+    rows = ids.astype(np.int32)
+    tokens, ok, _ = table.sample(logits.to(dev), rows, np.zeros(n, np.int32), np.full(n, 9, np.int32), args)
+    assert ok is not None and ok.tolist() == [True, False, False, False, True, True]
+    assert int(tokens[4]) != 5
+    if temperature == 0.0:
+        assert tokens[[0, 4, 5]].tolist() == [*logits[[0, 4]].argmax(dim=-1).tolist(), 9]

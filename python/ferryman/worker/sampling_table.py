@@ -221,7 +221,7 @@ class SamplingTable:
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[dict[int, Logprob] | None] | None]:
         """One token per row of ``logits``: sample i is of batch row ``rows[i]``, fork
         ``seq_indices[i]``, sampling the token at ``positions[i]``; whether each row's largest
-        logit is finite (False: NaN or +inf in the row, or all of it -inf; read off the argmax
+        logit is finite (False: NaN or +inf in the row, or all of it -inf; read off the maximum
         that greedy sampling takes anyway, so the check costs no pass of its own), or None on
         the CPU when every row is; and the samples' logprobs when any wants them."""
         raw = logits  # logprobs are the model's own: before penalties, biases and temperature
@@ -234,8 +234,8 @@ class SamplingTable:
         if logits.device.type == "cpu":
             tokens, ok = self._sample_cpu(logits, rows, seq_indices, positions)
         else:
-            best_t = logits.argmax(dim=-1)
-            ok = torch.isfinite(logits.gather(1, best_t[:, None])[:, 0])
+            best, best_t = logits.max(dim=-1)  # argmax's index (the first largest), and its value
+            ok = torch.isfinite(best)
             if not a.any_random:
                 tokens = best_t.to(torch.int32)
             else:  # the random samples' parameters by their rows; no device-side test of any

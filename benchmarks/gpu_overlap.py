@@ -54,7 +54,7 @@ def tiny_models() -> Any:
 def run(path: str, overlap: bool, a: argparse.Namespace) -> dict[str, Any]:
     smoke = a.smoke
     kw: dict[str, Any] = {"device": "cpu"} if smoke else {"device": "cuda", "dtype": "float16"}
-    max_tokens = a.warmup + 2 * a.steps + 16
+    max_tokens = a.warmup + 4 * a.steps + 16  # plain, phases, cProfile, profiled: all decoding
     eng = Engine(
         path,
         async_scheduling=overlap,

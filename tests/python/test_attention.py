@@ -297,9 +297,10 @@ def test_cuda_graph_sizes_and_the_size_a_batch_runs_on() -> None:
 
 
 def test_graph_padding_keeps_the_step_and_pads_on_the_null_block() -> None:
-    """The host side of a CUDA-graph replay: the real rows unchanged, and every dummy row one
-    token on page 0 (the null block, which no request owns), writing slot 0."""
-    from ferryman.attention.flashinfer_graphs import pad_decode
+    """The host side of a CUDA-graph replay, as the graphs read it from the staged buffer: the
+    real rows unchanged, and every dummy row one token on page 0 (the null block, which no
+    request owns), writing slot 0."""
+    from ferryman.attention.flashinfer_graphs import StepStaging
 
     bs = 4
     s = Scheduler(
@@ -307,59 +308,63 @@ def test_graph_padding_keeps_the_step_and_pads_on_the_null_block() -> None:
     )
     for r, n in enumerate((9, 4, 13)):
         s.add_request(r, list(range(100 * r + 1, 100 * r + 1 + n)), RequestParams(4, ignore_eos=True))
-    tables = BlockTable(4, 16, bs)
+    tables, st = BlockTable(4, 16, bs), StepStaging(16, 16, torch.device("cpu"))
     out = s.schedule()
     with pytest.raises(ValueError, match="decode-only"):
-        pad_decode(tables.step(out), 8)
+        st.stage(tables.step(out), 8)
     s.update(np.ones(len(out.logits_indices), dtype=np.int32))
     out = tables.step(s.schedule())
-    p = pad_decode(out, 8)
-    assert len(p.input_ids) == len(p.positions) == len(p.slot_mapping) == len(p.kv_last_page_len) == 8
-    assert p.input_ids[:3].tolist() == out.input_ids.tolist() and p.input_ids[3:].tolist() == [0] * 5
-    assert p.positions[:3].tolist() == out.positions.tolist()
-    assert p.slot_mapping[:3].tolist() == out.slot_mapping.tolist() and not p.slot_mapping[3:].any()
-    assert p.kv_indptr.tolist() == [*out.kv_indptr.tolist(), *(out.kv_indptr[-1] + np.arange(1, 6))]
-    assert p.kv_indices.tolist() == [*out.kv_indices.tolist(), 0, 0, 0, 0, 0]
-    pages = np.diff(p.kv_indptr)
-    kv_len = bs * (pages - 1) + p.kv_last_page_len
+    st.stage(out, 8)
+    buf, inputs = st.device_buf, st.inputs(8)
+    ids, pos, slots = (inputs[i].tolist() for i in range(3))
+    assert ids[:3] == out.input_ids.tolist() and ids[3:] == [0] * 5
+    assert pos[:3] == out.positions.tolist()
+    assert slots[:3] == out.slot_mapping.tolist() and slots[3:] == [0] * 5
+    indptr = st.kv_indptr(buf, 8).numpy()
+    assert indptr.tolist() == [*out.kv_indptr.tolist(), *(out.kv_indptr[-1] + np.arange(1, 6))]
+    assert st.kv_indices(buf)[: indptr[-1]].tolist() == [*out.kv_indices.tolist(), 0, 0, 0, 0, 0]
+    last = st.kv_last_page_len(buf, 8).numpy()
+    kv_len = bs * (np.diff(indptr) - 1) + last
     assert kv_len.tolist() == [*out.seq_lens.tolist(), 1, 1, 1, 1, 1]
     assert 0 not in out.kv_indices.tolist()  # so the dummies share no block with a request
     with pytest.raises(ValueError, match="do not fit"):
-        pad_decode(out, 2)
+        st.stage(out, 2)
     s.update(np.ones(3, dtype=np.int32))
 
 
-def test_step_staging_packs_a_padded_step_into_each_sizes_views() -> None:
+def test_step_staging_packs_each_step_into_its_sizes_views() -> None:
     """One copy carries a graph step: after ``stage``, the device buffer's views of that size hold
-    exactly the padded step (ids, positions and slots as int64; the page table as int32), the
-    host buffers rotate, and a later, smaller step leaves the larger rows' old values only past
-    its own rows."""
-    from ferryman.attention.flashinfer_graphs import PaddedDecode, StepStaging
+    exactly the step, padded (ids, positions and slots as int64; the page table as int32), over
+    whatever a larger earlier step left there, and the host buffers rotate."""
+    from types import SimpleNamespace
+
+    from ferryman.attention.flashinfer_graphs import StepStaging
 
     st = StepStaging(8, 3, torch.device("cpu"))
     rng = np.random.default_rng(0)
     hosts = []
-    for size in (8, 4, 8, 2, 1):
-        pages = rng.integers(1, 4, size)
+    for rows, size in ((8, 8), (3, 4), (5, 8), (2, 2), (0, 1)):
+        pages = rng.integers(1, 4, rows)
         indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
-        p = PaddedDecode(
-            input_ids=rng.integers(0, 1 << 40, size),  # past int32, so the int64 rows are checked
-            positions=rng.integers(0, 48, size),
-            slot_mapping=rng.integers(0, 1 << 33, size),
+        step = SimpleNamespace(
+            input_ids=rng.integers(0, 1 << 40, rows),  # past int32, so the int64 rows are checked
+            positions=rng.integers(0, 48, rows),
+            slot_mapping=rng.integers(0, 1 << 33, rows),
             kv_indptr=indptr,
             kv_indices=rng.integers(1, 100, int(indptr[-1])).astype(np.int32),
-            kv_last_page_len=rng.integers(1, 17, size).astype(np.int32),
+            kv_last_page_len=rng.integers(1, 17, rows).astype(np.int32),
         )
-        hosts.append(st.stage(p).data_ptr())
-        buf = st.device_buf
+        hosts.append(st.stage(step, size).data_ptr())
+        buf, pad = st.device_buf, size - rows
         inputs = st.inputs(size)
         assert inputs.dtype == torch.int64 and inputs.shape == (3, size)
-        assert inputs[0].tolist() == p.input_ids.tolist()
-        assert inputs[1].tolist() == p.positions.tolist()
-        assert inputs[2].tolist() == p.slot_mapping.tolist()
-        assert st.kv_indptr(buf, size).tolist() == p.kv_indptr.tolist()
-        assert st.kv_last_page_len(buf, size).tolist() == p.kv_last_page_len.tolist()
-        assert st.kv_indices(buf)[: len(p.kv_indices)].tolist() == p.kv_indices.tolist()
+        assert inputs[0].tolist() == [*step.input_ids.tolist(), *[0] * pad]
+        assert inputs[1].tolist() == [*step.positions.tolist(), *[0] * pad]
+        assert inputs[2].tolist() == [*step.slot_mapping.tolist(), *[0] * pad]
+        top = int(indptr[-1])
+        assert st.kv_indptr(buf, size).tolist() == [*indptr.tolist(), *(top + np.arange(1, pad + 1)).tolist()]
+        assert st.kv_last_page_len(buf, size).tolist() == [*step.kv_last_page_len.tolist(), *[1] * pad]
+        assert st.kv_indices(buf)[: top + pad].tolist() == [*step.kv_indices.tolist(), *[0] * pad]
     assert len(set(hosts[: StepStaging.RING])) == StepStaging.RING and hosts[StepStaging.RING] == hosts[0]
 
 

@@ -19,7 +19,7 @@ slot buffer inside the captured forward, so each replay writes at its own step's
 inputs and page table reach the device in one copy from a page-locked buffer (``StepStaging``)
 that is not rewritten while that copy may still be queued.
 
-``capture_sizes``, ``graph_size``, ``pad_decode`` and ``StepStaging``'s layout are tested on CPU,
+``capture_sizes``, ``graph_size`` and ``StepStaging`` (its padding and layout) are tested on CPU,
 and so is the K/V write of a captured size's attention; capture, replay and the fast plan run
 only on CUDA and are checked against eager in ``tests/gpu``.
 """
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -54,45 +53,6 @@ def graph_size(sizes: list[int], batch: int) -> int | None:
     """The smallest captured size that holds ``batch`` rows, or None (run eager)."""
     i = bisect.bisect_left(sizes, batch)
     return sizes[i] if batch >= 1 and i < len(sizes) else None
-
-
-@dataclass(slots=True)
-class PaddedDecode:
-    """One decode-only step padded to a captured size; every array has ``size`` rows (indptr
-    ``size + 1``)."""
-
-    input_ids: np.ndarray  # int64 [size]
-    positions: np.ndarray  # int64 [size]
-    slot_mapping: np.ndarray  # int64 [size]
-    kv_indptr: np.ndarray  # int32 [size + 1]
-    kv_indices: np.ndarray  # int32 [kv_indptr[-1]]
-    kv_last_page_len: np.ndarray  # int32 [size]
-
-
-def pad_decode(out: Any, size: int) -> PaddedDecode:
-    """Pads a decode-only step (one token per row) with dummy rows on the null block."""
-    rows = len(out.kv_indptr) - 1
-    if len(out.input_ids) != rows:
-        raise ValueError(f"not a decode-only step: {len(out.input_ids)} tokens in {rows} rows")
-    if not 0 <= rows <= size:
-        raise ValueError(f"{rows} rows do not fit a graph of size {size}")
-    pad = size - rows
-    zeros = np.zeros(pad, dtype=np.int64)
-    last = int(out.kv_indptr[-1]) if rows else 0
-    return PaddedDecode(
-        input_ids=np.concatenate([np.asarray(out.input_ids, dtype=np.int64), zeros]),
-        positions=np.concatenate([np.asarray(out.positions, dtype=np.int64), zeros]),
-        slot_mapping=np.concatenate([np.asarray(out.slot_mapping, dtype=np.int64), zeros]),
-        kv_indptr=np.concatenate(
-            [np.asarray(out.kv_indptr, dtype=np.int32), last + np.arange(1, pad + 1, dtype=np.int32)]
-        ),
-        kv_indices=np.concatenate(
-            [np.asarray(out.kv_indices, dtype=np.int32), np.zeros(pad, dtype=np.int32)]
-        ),
-        kv_last_page_len=np.concatenate(
-            [np.asarray(out.kv_last_page_len, dtype=np.int32), np.ones(pad, dtype=np.int32)]
-        ),
-    )
 
 
 class StepStaging:
@@ -129,20 +89,36 @@ class StepStaging:
     def kv_indices(self, buf: torch.Tensor) -> torch.Tensor:
         return buf[8 * self.top + 1 :]
 
-    def stage(self, p: PaddedDecode) -> torch.Tensor:
-        """Packs ``p`` into the next host buffer and queues its copy to the device buffer on the
-        current stream; returns that host buffer (which the plan reads ``kv_indptr`` from)."""
+    def stage(self, out: Any, size: int) -> torch.Tensor:
+        """Pads the decode-only step ``out`` (a ``StepInputs``; one token per row) to ``size``
+        rows, packed into the next host buffer, and queues that buffer's copy to the device
+        buffer on the current stream; returns the host buffer (the plan reads ``kv_indptr``
+        from it). A dummy row owns nothing: one token on page 0, the null block (one entry),
+        writing its slot 0."""
+        rows = len(out.kv_indptr) - 1
+        if len(out.input_ids) != rows:
+            raise ValueError(f"not a decode-only step: {len(out.input_ids)} tokens in {rows} rows")
+        if not 0 <= rows <= size:
+            raise ValueError(f"{rows} rows do not fit a graph of size {size}")
         i, self._next = self._next, (self._next + 1) % self.RING
         if self._copied[i] is not None:
             self._copied[i].synchronize()
-        host, t, size = self._host[i], self.top, len(p.input_ids)
+        host, t = self._host[i], self.top
         h = host.numpy()
-        rows = h[: 6 * t].view(np.int64).reshape(3, t)
-        rows[0, :size], rows[1, :size], rows[2, :size] = p.input_ids, p.positions, p.slot_mapping
-        h[6 * t : 6 * t + size + 1] = p.kv_indptr
-        h[7 * t + 1 : 7 * t + 1 + size] = p.kv_last_page_len
-        n = 8 * t + 1 + len(p.kv_indices)
-        h[8 * t + 1 : n] = p.kv_indices
+        tokens = h[: 6 * t].view(np.int64).reshape(3, t)
+        for r, a in enumerate((out.input_ids, out.positions, out.slot_mapping)):
+            tokens[r, :rows] = a
+            tokens[r, rows:size] = 0
+        pages = int(out.kv_indptr[-1]) if rows else 0
+        indptr = h[6 * t : 6 * t + size + 1]
+        indptr[: rows + 1] = out.kv_indptr
+        indptr[rows + 1 :] = pages + np.arange(1, size - rows + 1)
+        last = h[7 * t + 1 : 7 * t + 1 + size]
+        last[:rows] = out.kv_last_page_len
+        last[rows:] = 1
+        n = 8 * t + 1 + pages + size - rows
+        h[8 * t + 1 : 8 * t + 1 + pages] = out.kv_indices
+        h[8 * t + 1 + pages : n] = 0
         self.device_buf[:n].copy_(host[:n], non_blocking=self._cuda)
         if self._cuda:
             self._copied[i] = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -174,17 +150,14 @@ class _GraphAttention:
         self.num_fast_plans = 0
 
     def plan(self, out: StepInputs) -> None:
-        self.stage(pad_decode(out, self.size))
-
-    def stage(self, p: PaddedDecode) -> None:
         st, size = self.staging, self.size
-        host = st.stage(p)
+        host = st.stage(out, size)
         indptr, last = st.kv_indptr(host, size), st.kv_last_page_len(host, size)
         if self.fast is not None and self.fast.usable():
             self.args.replan_decode(self.fast, indptr.numpy(), last.numpy())
             self.num_fast_plans += 1
             return
-        indices = st.kv_indices(st.device_buf)[: len(p.kv_indices)]
+        indices = st.kv_indices(st.device_buf)[: int(indptr[-1])]
         self.args.plan_decode(self.wrapper, indptr, indices, last)
 
     def write_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -228,7 +201,7 @@ class DecodeGraphs:
             )
             fast = FastDecodePlan(wrapper, size, a.num_qo_heads, a.num_kv_heads, a.head_dim)
             attn = _GraphAttention(backend.layers, wrapper, st, size, a, fast)
-            attn.stage(pad_decode(_EmptyStep(), size))
+            attn.plan(_EmptyStep())  # type: ignore[arg-type]
             ids, pos = attn.inputs[0], attn.inputs[1]
             side = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]
             side.wait_stream(torch.cuda.current_stream(dev))

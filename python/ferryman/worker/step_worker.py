@@ -105,10 +105,11 @@ class StepWorker:
         tokens, ok, lps = self.sampling.sample(
             logits, plan.sample_rows, plan.sample_seq_indices, plan.sample_positions, args
         )
-        if ok is None:  # CPU, every row finite: the common case, no copies
-            self._prev = tokens
-        else:  # on CUDA never asked (that would wait for the device)
-            self._prev = torch.where(ok, tokens, 0)
+        # the next step's in-flight inputs: every sampled id is a vocabulary index, a row whose
+        # logits were not finite too (an argmax, or a candidate's id, is always one), so the
+        # embedding may read it; that row's request fails when this step is applied
+        self._prev = tokens
+        if ok is not None:  # on CUDA never asked (that would wait for the device)
             tokens = torch.where(ok, tokens, -1)
         if tokens.device.type != "cuda" or not self.overlap:
             any_bad = None if tokens.device.type == "cuda" else ok is not None  # on the CPU, known

@@ -6,6 +6,8 @@ every prompt is prefilled and ``--warmup`` decode steps, ``--steps`` decode step
 
 - ``step_ms``: wall time per ``Engine.step()`` over the profiled steps (the profiler records
   the device's activity only; on CPU, ``--smoke``, the host's ops);
+- ``gaps_per_step_ms``: the device's idle time within the span by gap length (under 10 µs: one
+  kernel to the next; over 100 µs: waiting for the host);
 - ``plain_step_ms``: the same over ``--steps`` steps before those with nothing attached, and
   ``idle_of_plain_step`` = 1 - busy / plain step: the device's idle share at the engine's own
   pace (the busy time measured under the profiler);
@@ -102,11 +104,26 @@ def run(path: str, overlap: bool, a: argparse.Namespace) -> dict[str, Any]:
         "busy_ms": round(busy / a.steps / 1e6, 3),
         "span_ms": round(span / a.steps / 1e6, 3),
         "idle_of_span": round(1 - busy / span, 4) if span else None,
+        "gaps_per_step_ms": gap_sizes([(s, s + d) for _, s, d in events], a.steps),
         "cuda_graph_steps": eng.stats()["num_cuda_graph_steps"],
         "fast_plans": eng.runner.graphs.num_fast_plans if eng.runner.graphs is not None else 0,
         "unprofiled": host,
         "python_top": py,
     }
+
+
+def gap_sizes(intervals: list[tuple[int, int]], steps: int) -> dict[str, float]:
+    """The device's idle time between its activities, per step, by the gap's length: under
+    10 µs (one kernel to the next, as inside a graph replay), 10-100 µs, and longer (the device
+    waiting for the host)."""
+    out = {"under_10us": 0, "10_to_100us": 0, "over_100us": 0}
+    end = None
+    for s, e in sorted(intervals):
+        if end is not None and s > end:
+            gap = s - end
+            out["under_10us" if gap < 10_000 else "10_to_100us" if gap < 100_000 else "over_100us"] += gap
+        end = e if end is None else max(end, e)
+    return {k: round(v / steps / 1e6, 3) for k, v in out.items()}
 
 
 def python_profile(eng: Engine, steps: int, top: int = 25) -> list[list[Any]]:

@@ -170,7 +170,7 @@ def test_streamed_deltas_concatenate_to_the_greedy_text(
 
 
 def test_concurrent_requests_use_both_replicas(server: RayServer, offline: Engine, model: str) -> None:
-    """Routing by load: a burst of streams spreads over both replicas."""
+    """Routing by load: bursts of streams spread over both replicas."""
     import openai
 
     if server.routing != "load":
@@ -189,9 +189,16 @@ def test_concurrent_requests_use_both_replicas(server: RayServer, offline: Engin
         async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused") as client:
             return await asyncio.gather(*(one(client, p) for p in prompts))
 
-    got = asyncio.run(run())
-    assert {replica for replica, _ in got} == set(server.replica_metrics(lambda s: len(s) == 2))
-    assert [text for _, text in got] == [greedy(offline, p, 16) for p in prompts]
+    # Serve's router picks the less loaded of two replicas by queue lengths it samples, which a
+    # loaded machine can leave stale for a whole burst (seen once in CI): up to three bursts
+    used: set[str] = set()
+    for _ in range(3):
+        got = asyncio.run(run())
+        assert [text for _, text in got] == [greedy(offline, p, 16) for p in prompts]
+        used |= {replica for replica, _ in got}
+        if len(used) == 2:
+            break
+    assert used == set(server.replica_metrics(lambda s: len(s) == 2))
 
 
 def test_a_shared_prefix_keeps_its_replica_and_a_new_one_goes_to_the_other(

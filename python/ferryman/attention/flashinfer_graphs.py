@@ -62,7 +62,8 @@ class StepStaging:
     largest size T: token ids, positions and slots as int64 rows ``[3, T]`` (words 0..6T),
     ``kv_indptr`` (6T..7T+1), ``kv_last_page_len`` (7T+1..8T+1), then the page list; a size S
     uses the first S entries of each row (S+1 of the indptr). A host buffer is rewritten only
-    after its last copy has run (an event per buffer, almost always long past)."""
+    after everything queued by the step that used it, up to its plan, has run (an event per
+    buffer, recorded by ``staged()``; almost always long past)."""
 
     RING = 4
 
@@ -72,8 +73,8 @@ class StepStaging:
         self.device_buf = torch.zeros(words, dtype=torch.int32, device=device)
         self._cuda = device.type == "cuda"
         self._host = [torch.zeros(words, dtype=torch.int32, pin_memory=self._cuda) for _ in range(self.RING)]
-        self._copied: list[Any] = [None] * self.RING  # the event after each host buffer's copy
-        self._next = 0
+        self._copied: list[Any] = [None] * self.RING  # the event after each host buffer's last read
+        self._next = self._last = 0
 
     def inputs(self, size: int) -> torch.Tensor:
         """The device's int64 ``[3, size]`` view: token ids, positions, slots."""
@@ -120,10 +121,16 @@ class StepStaging:
         h[8 * t + 1 : 8 * t + 1 + pages] = out.kv_indices
         h[8 * t + 1 + pages : n] = 0
         self.device_buf[:n].copy_(host[:n], non_blocking=self._cuda)
-        if self._cuda:
-            self._copied[i] = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self._copied[i].record()
+        self._last = i
         return host
+
+    def staged(self) -> None:
+        """Marks the last staged host buffer free once what is queued now has run: called after
+        the step's plan, whose own copies (FlashInfer's ``plan()``, the fall-back) may read it."""
+        if self._cuda:
+            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ev.record()
+            self._copied[self._last] = ev
 
 
 class _GraphAttention:
@@ -156,9 +163,10 @@ class _GraphAttention:
         if self.fast is not None and self.fast.usable():
             self.args.replan_decode(self.fast, indptr.numpy(), last.numpy())
             self.num_fast_plans += 1
-            return
-        indices = st.kv_indices(st.device_buf)[: int(indptr[-1])]
-        self.args.plan_decode(self.wrapper, indptr, indices, last)
+        else:
+            indices = st.kv_indices(st.device_buf)[: int(indptr[-1])]
+            self.args.plan_decode(self.wrapper, indptr, indices, last)  # copies from `host` too
+        st.staged()
 
     def write_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.writer.write(self.layers[layer_idx], k, v)

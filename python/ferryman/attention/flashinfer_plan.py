@@ -36,14 +36,21 @@ class FastDecodePlan:
         self.wrapper, self.size = wrapper, size
         self.heads = (num_qo_heads, num_kv_heads, head_dim)
         self.qo_indptr = torch.arange(size + 1, dtype=torch.int32)  # one query token per row
+        self._usable = False
 
     def usable(self) -> bool:
-        """Whether this wrapper's ``plan()`` is the one mirrored, and has run once."""
+        """Whether this wrapper's ``plan()`` is the one mirrored, and has run once (which, once
+        true, stays true: a wrapper's settings are fixed at its first plan)."""
+        if not self._usable:
+            self._usable = self._check()
+        return self._usable
+
+    def _check(self) -> bool:
         import flashinfer
 
         w = self.wrapper
-        return (
-            flashinfer.__version__ in VERSIONS
+        return bool(
+            flashinfer.__version__.split("+")[0] in VERSIONS
             and getattr(w, "use_tensor_cores", False)
             and getattr(w, "is_cuda_graph_enabled", False)
             and getattr(w, "_backend", None) == "fa2"
@@ -58,6 +65,8 @@ class FastDecodePlan:
         there on the current stream. ``kv_indptr`` must stay unchanged until the plan returns
         (the module reads it on the host)."""
         w, (hq, hkv, d) = self.wrapper, self.heads
+        if kv_indptr.dtype != np.int32 or len(kv_indptr) != self.size + 1:
+            raise ValueError(f"kv_indptr must be int32 [{self.size + 1}]")  # the module reads it raw
         indptr = torch.from_numpy(kv_indptr)
         kv_lens = np.maximum(np.diff(kv_indptr) - 1, 0) * page_size + kv_last_page_len
         w._max_kv_len = int(kv_lens.max())

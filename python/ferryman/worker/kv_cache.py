@@ -251,13 +251,15 @@ class KvCache:
                     _wait(side, free[k])
                     torch.index_select(flat_dev, 0, dev_idx, out=flat_stage)
                     gathered = _record(side)
-                _wait(copy, gathered)
-                torch._foreach_copy_(host, staged, non_blocking=self._cuda)
-                free[k] = _record(copy)
+                with _on(copy):
+                    _wait(copy, gathered)
+                    torch._foreach_copy_(host, staged, non_blocking=self._cuda)
+                    free[k] = _record(copy)
             else:
-                _wait(copy, free[k])
-                torch._foreach_copy_(staged, host, non_blocking=self._cuda)
-                loaded = _record(copy)
+                with _on(copy):
+                    _wait(copy, free[k])
+                    torch._foreach_copy_(staged, host, non_blocking=self._cuda)
+                    loaded = _record(copy)
                 with _on(side):
                     _wait(side, loaded)
                     flat_dev.index_copy_(0, dev_idx, flat_stage)

@@ -160,13 +160,15 @@ class _GraphAttention:
         st, size = self.staging, self.size
         host = st.stage(out, size)
         indptr, last = st.kv_indptr(host, size), st.kv_last_page_len(host, size)
-        if self.fast is not None and self.fast.usable():
-            self.args.replan_decode(self.fast, indptr.numpy(), last.numpy())
-            self.num_fast_plans += 1
-        else:
-            indices = st.kv_indices(st.device_buf)[: int(indptr[-1])]
-            self.args.plan_decode(self.wrapper, indptr, indices, last)  # copies from `host` too
-        st.staged()
+        try:
+            if self.fast is not None and self.fast.usable():
+                self.args.replan_decode(self.fast, indptr.numpy(), last.numpy())
+                self.num_fast_plans += 1
+            else:
+                indices = st.kv_indices(st.device_buf)[: int(indptr[-1])]
+                self.args.plan_decode(self.wrapper, indptr, indices, last)  # copies from `host` too
+        finally:  # a plan that raised may still have queued copies from `host`
+            st.staged()
 
     def write_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.writer.write(self.layers[layer_idx], k, v)

@@ -429,3 +429,27 @@ def test_cuda_sampler_flags_non_finite_rows_and_takes_the_first_largest(temperat
     assert int(tokens[4]) != 5
     if temperature == 0.0:
         assert tokens[[0, 4, 5]].tolist() == [*logits[[0, 4]].argmax(dim=-1).tolist(), 9]
+
+
+def test_cuda_top_k_by_selection_samples_what_the_sort_does() -> None:
+    """On CUDA, top-k without top-p selects the k-th largest with ``topk`` (no sort of the
+    vocabulary); the sorted path's tokens, on a 49,152-token vocabulary with ties at the k-th."""
+    from ferryman.worker.sampler import Filters, sample_random
+
+    dev, rows, vocab = torch.device("cuda"), 64, 49_152
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(rows, vocab, generator=g) * 3.0
+    logits[::5] = (logits[::5] * 2).round() / 2
+    top_k = torch.tensor([[-1, 1, 5, 50, 0, 1000][i % 6] for i in range(rows)], dtype=torch.int64)
+    args = [
+        logits,
+        torch.tensor([0.3 + (i % 5) * 0.4 for i in range(rows)]),
+        top_k,
+        torch.ones(rows),
+        torch.tensor([[0.0, 0.1][i % 2] for i in range(rows)]),
+        torch.arange(rows, dtype=torch.int64) * 7 + 1,
+        torch.arange(rows, dtype=torch.int64) + 3,
+    ]
+    args = [a.to(dev) for a in args]
+    want = sample_random(*args, Filters(True, False, True)).tolist()
+    assert sample_random(*args, Filters(True, False, True, top_k_max=1000)).tolist() == want

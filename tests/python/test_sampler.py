@@ -246,3 +246,31 @@ def test_sampling_table_flags_rows_whose_largest_logit_is_not_finite(temperature
     assert int(tokens[4]) != 5 and 0 <= int(tokens[0]) < vocab
     if temperature == 0.0:
         assert tokens[[0, 4]].tolist() == logits[[0, 4]].argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("vocab", [7, 259, 4096])
+def test_top_k_alone_by_selection_samples_what_the_sort_does(vocab: int) -> None:
+    """Top-k without top-p, the largest k known on the host (what CUDA runs: ``topk`` of that
+    width, no sort of the vocabulary) against the sorted path: the same tokens, with tied logits
+    at the k-th, rows with top-k off, min-p on some rows and logits a grammar removed."""
+    from ferryman.worker.sampler import Filters, sample_random
+
+    g = torch.Generator().manual_seed(vocab)
+    rows = 64
+    logits = torch.randn(rows, vocab, generator=g) * 3.0
+    logits[::5] = (logits[::5] * 2).round() / 2  # many ties, some at the k-th
+    logits[3::7, 1::4] = float("-inf")
+    temperature = torch.tensor([0.3 + (i % 5) * 0.4 for i in range(rows)])
+    top_k = torch.tensor([[-1, 1, 3, 5, 0, vocab - 1][i % 6] for i in range(rows)], dtype=torch.int64)
+    top_p = torch.ones(rows)
+    min_p = torch.tensor([[0.0, 0.1][i % 2] for i in range(rows)])
+    seeds = torch.arange(rows, dtype=torch.int64) * 7 + 1
+    positions = torch.arange(rows, dtype=torch.int64) + 3
+    args = (logits, temperature, top_k, top_p, min_p, seeds, positions)
+    sorted_ = Filters(top_k=True, top_p=False, min_p=True)
+    selected = Filters(top_k=True, top_p=False, min_p=True, top_k_max=int(top_k.max()))
+    want = sample_random(*args, sorted_).tolist()
+    assert sample_random(*args, selected).tolist() == want
+    assert sample_random(*args, sorted_, window=False).tolist() == want
+    # a top-k max at the vocabulary (or past it) sorts, as before
+    assert sample_random(*args, Filters(True, False, True, top_k_max=vocab)).tolist() == want

@@ -44,6 +44,9 @@ class Filters:
     top_k: bool
     top_p: bool
     min_p: bool
+    # the largest top-k of those rows (0: unknown); with top-p off, a top-k below the vocabulary
+    # is selected (``topk``), not sorted
+    top_k_max: int = 0
 
 
 def sample_random(
@@ -62,8 +65,11 @@ def sample_random(
 
     One sort serves top-k and top-p; it is stable, so among tied logits top-p keeps the lowest
     token ids first (the order of the core's CPU sampler, which the engine runs on CPU instead of
-    this). On CPU, when they filter, the race runs only over each row's survivors (a prefix of
-    its sorted order; every other token has probability 0 and cannot win), so its noise costs
+    this). Top-k without top-p, where ``filters.top_k_max`` is known and below the vocabulary,
+    selects each row's k-th largest with ``topk`` instead (the same threshold, no sort of the
+    vocabulary; the race then covers whole rows). On CPU, when they filter, the race runs only
+    over each row's survivors (a prefix of its sorted order; every other token has probability 0
+    and cannot win), so its noise costs
     ``[R, W]`` with W the most survivors of any row, not ``[R, V]``; the probabilities are still
     computed over whole vocabulary rows and the race's padding is exact zeros, so a row's sample
     never depends on the batch. On CUDA the race covers the whole row: W would have to be read
@@ -72,7 +78,14 @@ def sample_random(
     lg = logits / temperature[:, None]
     vocab = lg.shape[-1]
     order, width = None, vocab  # each row's token ids by descending logit, when a filter needs them
-    if filters.top_k or filters.top_p:
+    if filters.top_k and not filters.top_p and 0 < filters.top_k_max < vocab:
+        # the k-th largest by selection over the largest k of any row: the same threshold as
+        # the sort's, ties kept alike; rows with top-k off keep every token
+        best = lg.topk(filters.top_k_max, dim=-1).values
+        kth = best.gather(1, (top_k.clamp(1, filters.top_k_max) - 1)[:, None])
+        kth = kth.masked_fill((top_k <= 0)[:, None], float("-inf"))
+        lg = lg.masked_fill(lg < kth, float("-inf"))
+    elif filters.top_k or filters.top_p:
         sorted_lg, order = lg.sort(dim=-1, descending=True, stable=True)
         if filters.top_k:
             kk = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
@@ -116,7 +129,7 @@ def sample(
         return greedy.to(torch.int32)
     r = rand.nonzero()[:, 0]
     k, p, mp = top_k[r], top_p[r], min_p[r]
-    filters = Filters(bool((k > 0).any()), bool((p < 1).any()), bool((mp > 0).any()))
+    filters = Filters(bool((k > 0).any()), bool((p < 1).any()), bool((mp > 0).any()), int(k.max()))
     chosen = sample_random(logits[r], temperature[r], k, p, mp, seeds[r], positions[r], filters)
     return greedy.index_copy(0, r, chosen).to(torch.int32)
 

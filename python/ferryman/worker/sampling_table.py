@@ -180,10 +180,12 @@ class SamplingTable:
             sid = out.sample_req_ids
             random = np.flatnonzero(self.temperature[sid] > 0)
             r = sid[random]
+            k = self.top_k[r]
             filters = Filters(
-                bool((self.top_k[r] > 0).any()),
+                bool((k > 0).any()),
                 bool((self.top_p[r] < 1).any()),
                 bool((self.min_p[r] > 0).any()),
+                int(k.max()) if len(k) else 0,
             )
         adjust = adjust_args(self, out) if self.num_adjusted else None
         prompt = prompt_args(self, out) if self.num_prompt_lp else None

@@ -19,6 +19,9 @@ every prompt is prefilled and ``--warmup`` decode steps, ``--steps`` decode step
 - ``python_top``: the Python functions with the most own time over ``--steps`` steps under
   cProfile (``python_profile``).
 
+``async_logits_in_graph`` is the async run again with the LM head captured in the decode graphs
+(``ModelRunner.capture_graphs(logits_in_graph=True)``: two launches fewer per step).
+
 ``--smoke`` runs the same code on CPU with a tiny model, the ``aten::`` ops standing in for
 kernels (what CI checks; the figures mean nothing there).
 """
@@ -53,7 +56,7 @@ def tiny_models() -> Any:
     return mod
 
 
-def run(path: str, overlap: bool, a: argparse.Namespace) -> dict[str, Any]:
+def run(path: str, overlap: bool, a: argparse.Namespace, logits_in_graph: bool = False) -> dict[str, Any]:
     smoke = a.smoke
     kw: dict[str, Any] = {"device": "cpu"} if smoke else {"device": "cuda", "dtype": "float16"}
     max_tokens = a.warmup + 4 * a.steps + 16  # plain, phases, cProfile, profiled: all decoding
@@ -68,6 +71,8 @@ def run(path: str, overlap: bool, a: argparse.Namespace) -> dict[str, Any]:
         calibrate=False,
         **kw,
     )
+    if logits_in_graph:  # the LM head captured with the decode graphs
+        eng.runner.capture_graphs(logits_in_graph=True)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind="final_only")
     for i in range(a.batch):
         eng.add_request(str(i), [(7 * i + j) % 90 + 3 for j in range(32)], sp)  # the tiny vocabulary is 96
@@ -204,6 +209,8 @@ def main() -> None:
         path = str(tiny_models().build("llama", Path(tmp), **shape))
         for overlap in (False, True):
             report["async" if overlap else "sync"] = run(path, overlap, a)
+        if not a.smoke:  # graphs are CUDA's
+            report["async_logits_in_graph"] = run(path, True, a, logits_in_graph=True)
     print(json.dumps(report))
 
 

@@ -93,22 +93,26 @@ def test_flashinfer_engine_logits_match_torch_reference_under_swap(tmp_path: Pat
 
 
 def test_cuda_graph_logits_match_eager(tmp_path: Path) -> None:
-    eager, graphs = tiny_runners(
+    eager, graphs, head = tiny_runners(
         tmp_path,
         64,
         0,
         {"attention_backend": "flashinfer", "enforce_eager": True},
         {"attention_backend": "flashinfer"},
+        {"attention_backend": "flashinfer"},
     )
+    head.capture_graphs(logits_in_graph=True)  # the LM head inside the graphs
     assert eager.graphs is None and graphs.graphs.sizes == [1, 2, 4, 8, 16]
+    assert head.graphs.logits_in_graph and not graphs.graphs.logits_in_graph
     s = Scheduler(SchedulerConfig(block_size=16, num_device_blocks=64, max_num_seqs=16, max_model_len=128))
     for r in range(5):  # 5 rows replay the size-8 graph, 3 of them padding
         s.add_request(r, [*range(30, 50), r], RequestParams(20, ignore_eos=True))
-    (worst,), steps = lockstep([eager, graphs], s)
+    (worst, worst_head), steps = lockstep([eager, graphs, head], s)
     print(f"graphs vs eager: worst relative logit error {worst:.2e} over {steps} steps")
-    assert graphs.num_graph_steps >= 19
+    print(f"graphs with the LM head vs eager: {worst_head:.2e}")
+    assert graphs.num_graph_steps >= 19 and head.num_graph_steps >= 19
     assert graphs.graphs.num_fast_plans >= 18  # every plan after a size's first (FastDecodePlan)
-    assert worst < 2e-2
+    assert worst < 2e-2 and worst_head < 2e-2
 
 
 @pytest.mark.parametrize(("heads", "head_dim"), [((8, 2), 128), ((9, 3), 64)])

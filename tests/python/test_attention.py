@@ -408,6 +408,8 @@ def test_cpu_runner_picks_torch_and_flashinfer_needs_a_gpu(tmp_path: Path) -> No
     eng = Engine(path, block_size=4, num_device_blocks=8, num_host_blocks=0, calibrate=False)
     assert eng.runner.attention_backend == "torch"
     assert eng.runner.graphs is None  # CUDA graphs belong to the FlashInfer path only
+    with pytest.raises(ValueError, match="FlashInfer"):
+        eng.runner.capture_graphs(logits_in_graph=True)
     eng.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3))
     assert eng.stats()["num_cuda_graph_steps"] == 0
     assert "flashinfer" not in sys.modules  # the CPU path never imports it

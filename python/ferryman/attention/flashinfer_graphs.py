@@ -188,9 +188,18 @@ class DecodeGraphs:
     is the model's ``(input_ids, positions, attention) -> hidden states``."""
 
     def __init__(
-        self, backend: FlashInferBackend, forward: StepForward, sizes: list[int], max_pages_per_row: int
+        self,
+        backend: FlashInferBackend,
+        forward: StepForward,
+        sizes: list[int],
+        max_pages_per_row: int,
+        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
+        """``head``: captured after the forward (the LM head: the graphs then give float32
+        logits, and the step launches two kernels fewer outside them; ``logits_in_graph``)."""
         import flashinfer
+
+        self.logits_in_graph = head is not None
 
         dev = backend.device
         self.sizes = sizes
@@ -216,11 +225,15 @@ class DecodeGraphs:
             side = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):  # warm-up outside the capture (lazy inits, autotuning)
-                forward(ids, pos, attn)
+                warm = forward(ids, pos, attn)
+                if head is not None:
+                    head(warm)
             torch.cuda.current_stream(dev).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 hidden = forward(ids, pos, attn)
+                if head is not None:
+                    hidden = head(hidden)
             self._graphs[size] = (graph, attn, hidden)
         torch.cuda.synchronize(dev)
 
@@ -230,9 +243,10 @@ class DecodeGraphs:
         return sum(attn.num_fast_plans for _, attn, _ in self._graphs.values())
 
     def run(self, out: StepInputs, fill: Inflight | None = None) -> torch.Tensor | None:
-        """Hidden states ``[B, hidden]`` of a decode-only step, or None when no graph fits.
-        ``fill``: (places, token ids) on the device for inputs still in flight (async
-        scheduling), written over the staged ids before the replay."""
+        """Hidden states ``[B, hidden]`` of a decode-only step (with ``head``: its float32
+        logits ``[B, vocab]``), or None when no graph fits. ``fill``: (places, token ids) on the
+        device for inputs still in flight (async scheduling), written over the staged ids
+        before the replay."""
         rows = len(out.kv_indptr) - 1
         size = graph_size(self.sizes, rows)
         if size is None or out.num_scheduled_tokens != rows:

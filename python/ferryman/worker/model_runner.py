@@ -77,9 +77,20 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # where CUDA graphs are on
         self.num_graph_steps = 0
         self.block_table = BlockTable(max_num_seqs, pages, block_size)
+        self._graph_args = (fi, capture_sizes(max_num_seqs), pages)
         if fi is not None and not enforce_eager:
-            forward = functools.partial(model, ops=self.ops)
-            self.graphs = DecodeGraphs(fi, forward, capture_sizes(max_num_seqs), pages)
+            self.capture_graphs()
+
+    def capture_graphs(self, logits_in_graph: bool = False) -> None:
+        """(Re)captures the decode graphs (FlashInfer only); ``logits_in_graph`` captures the LM
+        head with them (one rank only), which ``benchmarks/gpu_overlap.py`` compares."""
+        fi, sizes, pages = self._graph_args
+        if fi is None:
+            raise ValueError("CUDA graphs need the FlashInfer backend")
+        forward = functools.partial(self.model, ops=self.ops)
+        head = self.model.compute_logits if logits_in_graph and self.model.tp.world == 1 else None
+        self.graphs = None  # the old graphs' memory pool goes before the new one is taken
+        self.graphs = DecodeGraphs(fi, forward, sizes, pages, head)
 
     @torch.inference_mode()
     def execute(
@@ -100,6 +111,7 @@ class ModelRunner:
             return torch.empty((0, self.model.cfg.vocab_size), dtype=torch.float32)
         fill = self._inflight_inputs(out, prev)
         hidden = self.graphs.run(step, fill) if self.graphs is not None else None
+        logits_ready = hidden is not None and self.graphs is not None and self.graphs.logits_in_graph
         if hidden is not None:
             self.num_graph_steps += 1
         else:
@@ -110,9 +122,9 @@ class ModelRunner:
             positions = to_device(step.positions, self.device)
             hidden = self.model(input_ids, positions, self.attn, self.ops)
         at = out.logits_indices if also is None else np.concatenate([out.logits_indices, also])
-        if len(at) == len(hidden) and _consecutive(at) and (not len(at) or at[0] == 0):
-            return self.model.compute_logits(hidden)  # every token's row (decode): no gather
-        return self.model.compute_logits(hidden[to_device(at, self.device)])
+        if not (len(at) == len(hidden) and _consecutive(at) and (not len(at) or at[0] == 0)):
+            hidden = hidden[to_device(at, self.device)]  # else every token's row (decode): as is
+        return hidden if logits_ready else self.model.compute_logits(hidden)
 
     def _inflight_inputs(self, out: SchedulerOutput, prev: torch.Tensor | None) -> Inflight | None:
         """(places in ``input_ids``, token ids) of the inputs still in flight, on the device: a

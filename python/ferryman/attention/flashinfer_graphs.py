@@ -196,7 +196,8 @@ class DecodeGraphs:
         head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         """``head``: captured after the forward (the LM head: the graphs then give float32
-        logits, and the step launches two kernels fewer outside them; ``logits_in_graph``)."""
+        logits, and the step launches two kernels fewer outside them; ``logits_in_graph``), into
+        one buffer all sizes share: a step's logits are valid until the next replay."""
         import flashinfer
 
         self.logits_in_graph = head is not None
@@ -208,6 +209,7 @@ class DecodeGraphs:
         buf, a = st.device_buf, backend.args
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, _GraphAttention, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
+        logits: torch.Tensor | None = None  # with ``head``: the sizes' shared output
         for size in reversed(sizes):  # largest first, so the smaller ones reuse its pool memory
             wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 backend.workspace,
@@ -227,13 +229,15 @@ class DecodeGraphs:
             with torch.cuda.stream(side):  # warm-up outside the capture (lazy inits, autotuning)
                 warm = forward(ids, pos, attn)
                 if head is not None:
-                    head(warm)
+                    warm = head(warm)
+                    if logits is None:  # one buffer every size writes (the largest is first)
+                        logits = torch.empty_like(warm)
             torch.cuda.current_stream(dev).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 hidden = forward(ids, pos, attn)
-                if head is not None:
-                    hidden = head(hidden)
+                if logits is not None and head is not None:
+                    hidden = logits[:size].copy_(head(hidden))
             self._graphs[size] = (graph, attn, hidden)
         torch.cuda.synchronize(dev)
 

@@ -83,13 +83,17 @@ class ModelRunner:
 
     def capture_graphs(self, logits_in_graph: bool = False) -> None:
         """(Re)captures the decode graphs (FlashInfer only); ``logits_in_graph`` captures the LM
-        head with them (one rank only), which ``benchmarks/gpu_overlap.py`` compares."""
+        head with them (one rank only), which ``benchmarks/gpu_overlap.py`` compares. The logits
+        a step returns are then valid until the runner's next step."""
         fi, sizes, pages = self._graph_args
         if fi is None:
             raise ValueError("CUDA graphs need the FlashInfer backend")
+        if self.model.tp.world > 1:  # a capture on one rank would wait for the others' all-reduce
+            raise ValueError("decode graphs are captured at start-up only under tensor parallelism")
         forward = functools.partial(self.model, ops=self.ops)
-        head = self.model.compute_logits if logits_in_graph and self.model.tp.world == 1 else None
+        head = self.model.compute_logits if logits_in_graph else None
         self.graphs = None  # the old graphs' memory pool goes before the new one is taken
+        torch.cuda.empty_cache()
         self.graphs = DecodeGraphs(fi, forward, sizes, pages, head)
 
     @torch.inference_mode()

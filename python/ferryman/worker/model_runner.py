@@ -126,8 +126,9 @@ class ModelRunner:
             positions = to_device(step.positions, self.device)
             hidden = self.model(input_ids, positions, self.attn, self.ops)
         at = out.logits_indices if also is None else np.concatenate([out.logits_indices, also])
-        if not (len(at) == len(hidden) and _consecutive(at) and (not len(at) or at[0] == 0)):
-            hidden = hidden[to_device(at, self.device)]  # else every token's row (decode): as is
+        every_row = len(at) == len(hidden) and (not len(at) or _run_start(at) == 0)  # decode
+        if not every_row:
+            hidden = hidden[to_device(at, self.device)]
         return hidden if logits_ready else self.model.compute_logits(hidden)
 
     def _inflight_inputs(self, out: SchedulerOutput, prev: torch.Tensor | None) -> Inflight | None:
@@ -139,16 +140,20 @@ class ModelRunner:
             return None
         if prev is None:
             raise RuntimeError("this step's inputs name samples of a step that did not run here")
-        p0, s0, n = int(places[0]), int(src[0]), len(places)
-        if places[-1] - p0 == n - 1 == src[-1] - s0 and _consecutive(places) and _consecutive(src):
+        p0, s0, n = _run_start(places), _run_start(src), len(places)
+        if p0 is not None and s0 is not None:
             return slice(p0, p0 + n), prev[s0 : s0 + n]
         dev = self.device
         at = to_device(places.astype(np.int64), dev)
         return at, prev[to_device(src.astype(np.int64), dev)].long()
 
 
-def _consecutive(a: np.ndarray) -> bool:
-    return bool((np.diff(a) == 1).all())
+def _run_start(a: np.ndarray) -> int | None:
+    """``a[0]`` when ``a`` is a run of consecutive integers (``a[0], a[0] + 1, ...``), else None
+    (an empty ``a`` too)."""
+    if not len(a) or int(a[-1]) - int(a[0]) != len(a) - 1 or not (np.diff(a) == 1).all():
+        return None
+    return int(a[0])
 
 
 def runner_with_pool(

@@ -63,7 +63,7 @@ pub(super) fn least_kept(top_p: f32, sum: f32) -> usize {
 /// How many of the probabilities `q` (by descending logit, after mass `acc`) top-p keeps: up to
 /// the first whose preceding mass exceeds `top_p` (the prefix sum accumulated in float64 and
 /// rounded, minus the probability itself, in float32); `None` if none does.
-fn keep_top_p(q: impl Iterator<Item = f32>, top_p: f32, mut acc: f64) -> Option<usize> {
+pub(super) fn keep_top_p(q: impl Iterator<Item = f32>, top_p: f32, mut acc: f64) -> Option<usize> {
     for (j, q) in q.enumerate() {
         acc += q as f64;
         if (acc as f32) - q > top_p {

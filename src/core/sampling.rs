@@ -17,9 +17,10 @@
 //! of a float32 boundary (a block of surely kept tokens has its mass summed in its own order).
 //!
 //! What makes it cheap:
-//! - top-k by selection (O(V)) of the k-th largest logit and one pass for the tokens not below
-//!   it, not a sort of the vocabulary; from 2,048 tokens on, the selection runs only on the
-//!   tokens above a pivot read off a strided sample of the row (`pivot`);
+//! - top-k by selection (O(V)) of the k-th largest, not a sort of the vocabulary: below 2,048
+//!   tokens over every token's sort key, which leaves the candidates first (no pass to filter
+//!   them out); from 2,048 on, only over the tokens above a pivot read off a strided sample of
+//!   the row (`pivot`);
 //! - top-p after a top-k of at most 128 candidates: one sort of them (at that size cheaper than
 //!   selecting); otherwise without sorting most of what it keeps: no probability exceeds the
 //!   largest, so a first block of tokens is surely kept and is selected, not sorted, and so on
@@ -38,16 +39,15 @@
 //! `sample_step` is a whole step's samples: every row's argmax and finiteness check from
 //! `greedy.rs`, then the rows with parameters drawn here.
 
-use std::cmp::Ordering;
-
 use crate::greedy::argmax_rows;
 
 mod keys;
+mod top_k;
 mod top_p;
 
 #[cfg(test)]
-use keys::{exp_nonpositive, EXP_MIN};
-use keys::{exp_shifted, id_of, key, logit_of, rank};
+use keys::{exp_nonpositive, logit_of, EXP_MIN};
+use keys::{exp_shifted, id_of, key, rank};
 use top_p::{cut_sorted_prefixes, keep_top_p, least_kept};
 
 /// Sampling parameters of one row; `top_k <= 0` and `top_p >= 1` are off, `min_p <= 0` is off.
@@ -130,93 +130,24 @@ impl RowSampler {
         }
         match top_k {
             Some(k) => {
-                self.top_k(k);
-                self.candidate_weights();
-                if top_p {
-                    self.cut_top_p(p.top_p);
+                let keyed = self.top_k(k);
+                if top_p && self.cand.len() <= SORT_ALL_MAX {
+                    self.sort_candidates(keyed);
+                    self.candidate_weights();
+                    self.cut_sorted_top_p(p.top_p);
+                } else {
+                    if top_p && keyed {
+                        self.cand.sort_unstable(); // `cut_top_p` breaks ties by candidate order
+                    }
+                    self.candidate_weights();
+                    if top_p {
+                        self.cut_top_p(p.top_p);
+                    }
                 }
             }
             None => self.top_p_prefix(p.top_p),
         }
         self.race_candidates(p)
-    }
-
-    /// Candidates: every token not below the k-th largest scaled logit, in id order; ties with
-    /// the k-th are kept (the Python sampler masks `lg < kth` only). Nothing is sorted: a pivot
-    /// a little past the k-th largest, read off a strided sample of the row, splits off the few
-    /// tokens that can be candidates (a count first, which the compiler vectorizes, then one
-    /// pass that writes them out), and the k-th is selected among those. If the sample
-    /// misjudged (fewer than k pass, or the k-th is the pivot itself, which a tie of -0 and +0
-    /// could straddle), the whole row's ranks are selected and the row filtered.
-    fn top_k(&mut self, k: usize) {
-        let n = self.lg.len();
-        if let Some((t, passing)) = self.pivot(k) {
-            if self.top_k_below(t, passing, k) {
-                return;
-            }
-        }
-        self.ranks.clear();
-        self.ranks.extend(self.lg.iter().map(|&x| rank(x)));
-        let kth = logit_of(*self.ranks.select_nth_unstable(k - 1).1);
-        // branch-free: write every id, advance past the kept ones
-        self.cand.clear();
-        self.cand.resize(n, 0);
-        let mut m = 0;
-        for (i, &x) in self.lg.iter().enumerate() {
-            self.cand[m] = i as u32;
-            m += usize::from(x.partial_cmp(&kth) != Some(Ordering::Less));
-        }
-        self.cand.truncate(m);
-    }
-
-    /// A rank `t` that at least `m` of the row's tokens are at or above (a prefix of the tokens
-    /// by descending logit), and how many are: the `j`-th of a strided sample of the row's ranks,
-    /// `j` about 1.5 m in the row's proportion and a margin, then a count the compiler
-    /// vectorizes. None for a small vocabulary, an `m` too large to gain, or a sample that
-    /// misjudged (fewer than m pass).
-    fn pivot(&mut self, m: usize) -> Option<(u32, usize)> {
-        let n = self.lg.len();
-        let sample = (n / 16).clamp(64, 1024);
-        let j = m * sample * 3 / (2 * n) + 2;
-        if n < PIVOT_MIN_VOCAB || j >= sample / 2 {
-            return None;
-        }
-        self.ranks.clear();
-        self.ranks.extend((0..sample).map(|i| rank(self.lg[i * n / sample])));
-        let t = *self.ranks.select_nth_unstable(j).1;
-        let passing = self.lg.iter().map(|&x| u32::from(rank(x) <= t)).sum::<u32>() as usize;
-        (passing >= m).then_some((t, passing))
-    }
-
-    /// `top_k` among the `passing` tokens whose rank is at most `t` (at least k of them): false,
-    /// leaving `cand` to be rebuilt, if the k-th is `t` itself.
-    fn top_k_below(&mut self, t: u32, passing: usize, k: usize) -> bool {
-        // branch-free: write every token, advance past the passing ones
-        self.cand.clear();
-        self.cand.resize(passing + 1, 0);
-        self.ranks.clear();
-        self.ranks.resize(passing + 1, 0);
-        let mut m = 0;
-        for (i, &x) in self.lg.iter().enumerate() {
-            let r = rank(x);
-            self.cand[m] = i as u32;
-            self.ranks[m] = r;
-            m += usize::from(r <= t);
-        }
-        // the filter below compares logits, so the ranks can be reordered in place
-        let kth = *self.ranks[..passing].select_nth_unstable(k - 1).1;
-        if kth == t {
-            return false;
-        }
-        let kth = logit_of(kth);
-        let mut kept = 0;
-        for j in 0..passing {
-            let c = self.cand[j];
-            self.cand[kept] = c;
-            kept += usize::from(self.lg[c as usize].partial_cmp(&kth) != Some(Ordering::Less));
-        }
-        self.cand.truncate(kept);
-        true
     }
 
     /// Candidates without top-k: top-p over the whole vocabulary's softmax (`cut_sorted_prefixes`
@@ -269,25 +200,18 @@ impl RowSampler {
         exp_shifted(&mut self.weights, &self.scratch, max);
     }
 
-    /// Top-p after top-k: the mass is the softmax over the candidates, whose weights are in
-    /// `weights`. Takes the candidates by descending logit (ties by id) until the mass before one
-    /// exceeds p: up to `SORT_ALL_MAX` candidates are sorted outright (a select or two on a few
-    /// dozen keys cost more than the sort; top-k 50 of 259 with top-p 0.9 went from 1.5 to 1.3
-    /// µs a row), more go through `cut_sorted_prefixes` (blocks surely kept, then sorted
-    /// prefixes from 16). Leaves the kept candidates and their weights, aligned.
+    /// Top-p after top-k over more than `SORT_ALL_MAX` candidates: the mass is the softmax over
+    /// the candidates, whose weights are in `weights`. Takes the candidates by descending logit
+    /// (ties by id) until the mass before one exceeds p (`cut_sorted_prefixes`: blocks surely
+    /// kept, then sorted prefixes from 16). Leaves the kept candidates and their weights,
+    /// aligned.
     fn cut_top_p(&mut self, top_p: f32) {
         let n = self.cand.len();
         let sum = self.weights.iter().map(|&w| w as f64).sum::<f64>() as f32;
         let lg = &self.lg;
         self.keys.clear();
         self.keys.extend(self.cand.iter().enumerate().map(|(j, &c)| key(lg[c as usize], j as u32)));
-        let keep = if n <= SORT_ALL_MAX {
-            self.keys.sort_unstable();
-            let q = self.keys.iter().map(|&k| self.weights[id_of(k) as usize] / sum);
-            keep_top_p(q, top_p, 0.0).map_or(n, |j| j.max(1))
-        } else {
-            cut_sorted_prefixes(&mut self.keys, &self.weights, sum, top_p, 16).unwrap_or(n)
-        };
+        let keep = cut_sorted_prefixes(&mut self.keys, &self.weights, sum, top_p, 16).unwrap_or(n);
         let order = &self.keys[..keep];
         self.kept.clear();
         self.kept.extend(order.iter().map(|&k| self.cand[id_of(k) as usize]));
@@ -298,6 +222,17 @@ impl RowSampler {
     }
 
     /// The race over the candidates, whose weights are in `weights`.
+    /// Top-p over candidates already by descending logit (`sort_candidates`; at most
+    /// `SORT_ALL_MAX`, where one sort cost less than the selects of `cut_sorted_prefixes`):
+    /// keeps those up to the first whose preceding mass exceeds p.
+    fn cut_sorted_top_p(&mut self, top_p: f32) {
+        let sum = self.weights.iter().map(|&w| w as f64).sum::<f64>() as f32;
+        let n = self.cand.len();
+        let keep = keep_top_p(self.weights.iter().map(|&w| w / sum), top_p, 0.0).map_or(n, |j| j.max(1));
+        self.cand.truncate(keep);
+        self.weights.truncate(keep);
+    }
+
     fn race_candidates(&self, p: &RowParams) -> u32 {
         race(&self.weights, |i| self.cand[i], p).unwrap_or(self.cand[0])
     }

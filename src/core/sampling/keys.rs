@@ -24,6 +24,12 @@ pub(super) fn key(x: f32, id: u32) -> u64 {
     (u64::from(rank(x)) << 32) | u64::from(id)
 }
 
+/// The rank of a `key`.
+#[inline]
+pub(super) fn rank_of(key: u64) -> u32 {
+    (key >> 32) as u32
+}
+
 /// The token id of a `key`.
 #[inline]
 pub(super) fn id_of(key: u64) -> u32 {

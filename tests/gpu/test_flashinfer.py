@@ -111,7 +111,12 @@ def test_cuda_graph_logits_match_eager(tmp_path: Path) -> None:
     print(f"graphs vs eager: worst relative logit error {worst:.2e} over {steps} steps")
     print(f"graphs with the LM head vs eager: {worst_head:.2e}")
     assert graphs.num_graph_steps >= 19 and head.num_graph_steps >= 19
-    assert graphs.graphs.num_fast_plans >= 18  # every plan after a size's first (FastDecodePlan)
+    import flashinfer
+
+    from ferryman.attention.flashinfer_plan import VERSIONS
+
+    if flashinfer.__version__.split("+")[0] in VERSIONS:  # elsewhere every plan is FlashInfer's own
+        assert graphs.graphs.num_fast_plans >= 18  # every plan after a size's first (FastDecodePlan)
     assert worst < 2e-2 and worst_head < 2e-2
 
 

@@ -129,7 +129,7 @@ class StepStaging:
         the step's plan, whose own copies (FlashInfer's ``plan()``, the fall-back) may read it."""
         if self._cuda:
             ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            ev.record()
+            ev.record(torch.cuda.current_stream(self.device_buf.device))  # the copy's device
             self._copied[self._last] = ev
 
 
@@ -193,7 +193,7 @@ class DecodeGraphs:
         forward: StepForward,
         sizes: list[int],
         max_pages_per_row: int,
-        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        head: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
     ) -> None:
         """``head``: captured after the forward (the LM head: the graphs then give float32
         logits, and the step launches two kernels fewer outside them; ``logits_in_graph``), into
@@ -208,38 +208,39 @@ class DecodeGraphs:
         self.staging = st = StepStaging(top, max_pages_per_row, dev)
         buf, a = st.device_buf, backend.args
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, _GraphAttention, torch.Tensor]] = {}
-        pool = torch.cuda.graph_pool_handle()
-        logits: torch.Tensor | None = None  # with ``head``: the sizes' shared output
-        for size in reversed(sizes):  # largest first, so the smaller ones reuse its pool memory
-            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                backend.workspace,
-                kv_layout="NHD",
-                use_cuda_graph=True,
-                use_tensor_cores=True,
-                paged_kv_indptr_buffer=st.kv_indptr(buf, size),  # views of the staged step
-                paged_kv_indices_buffer=st.kv_indices(buf),
-                paged_kv_last_page_len_buffer=st.kv_last_page_len(buf, size),
-            )
-            fast = FastDecodePlan(wrapper, size, a.num_qo_heads, a.num_kv_heads, a.head_dim)
-            attn = _GraphAttention(backend.layers, wrapper, st, size, a, fast)
-            attn.plan(_EmptyStep())  # type: ignore[arg-type]
-            ids, pos = attn.inputs[0], attn.inputs[1]
-            side = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):  # warm-up outside the capture (lazy inits, autotuning)
-                warm = forward(ids, pos, attn)
-                if head is not None:
-                    warm = head(warm)
-                    if logits is None:  # one buffer every size writes (the largest is first)
-                        logits = torch.empty_like(warm)
-            torch.cuda.current_stream(dev).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                hidden = forward(ids, pos, attn)
-                if logits is not None and head is not None:
-                    hidden = logits[:size].copy_(head(hidden))
-            self._graphs[size] = (graph, attn, hidden)
-        torch.cuda.synchronize(dev)
+        with torch.cuda.device(dev):  # the pool, streams and capture on the backend's device
+            pool = torch.cuda.graph_pool_handle()
+            logits: torch.Tensor | None = None  # with ``head``: the sizes' shared output
+            for size in reversed(sizes):  # largest first, so the smaller ones reuse its pool memory
+                wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    backend.workspace,
+                    kv_layout="NHD",
+                    use_cuda_graph=True,
+                    use_tensor_cores=True,
+                    paged_kv_indptr_buffer=st.kv_indptr(buf, size),  # views of the staged step
+                    paged_kv_indices_buffer=st.kv_indices(buf),
+                    paged_kv_last_page_len_buffer=st.kv_last_page_len(buf, size),
+                )
+                fast = FastDecodePlan(wrapper, size, a.num_qo_heads, a.num_kv_heads, a.head_dim)
+                attn = _GraphAttention(backend.layers, wrapper, st, size, a, fast)
+                attn.plan(_EmptyStep())  # type: ignore[arg-type]
+                ids, pos = attn.inputs[0], attn.inputs[1]
+                side = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):  # warm-up outside the capture (lazy inits, autotuning)
+                    warm = forward(ids, pos, attn)
+                    if head is not None:
+                        warm = head(warm, None)
+                        if logits is None:  # one buffer every size writes (the largest is first)
+                            logits = torch.empty_like(warm)
+                torch.cuda.current_stream(dev).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    hidden = forward(ids, pos, attn)
+                    if logits is not None and head is not None:
+                        hidden = head(hidden, logits[:size])  # cast into it: no float32 temporary
+                self._graphs[size] = (graph, attn, hidden)
+            torch.cuda.synchronize(dev)
 
     @property
     def num_fast_plans(self) -> int:

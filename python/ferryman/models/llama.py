@@ -222,17 +222,19 @@ class LlamaForCausalLM(nn.Module):
         out, _ = ops.add_rmsnorm(x, residual, self.norm)
         return out[:t]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[S, vocab]`` of the rows to sample."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits ``[S, vocab]`` of the rows to sample; into ``out`` (float32, that
+        shape) when given, cast in the copy, with no float32 temporary (the decode graphs'
+        shared logits buffer)."""
         if self.lm_head is not None:
-            out: torch.Tensor = self.lm_head(hidden)
+            raw: torch.Tensor = self.lm_head(hidden)
         elif self._tied_head_packed is not None:
-            out = cpu_linear.packed_linear(hidden, self._tied_head_packed, None)
+            raw = cpu_linear.packed_linear(hidden, self._tied_head_packed, None)
         else:
-            out = F.linear(hidden, self.embed_tokens.weight)
+            raw = F.linear(hidden, self.embed_tokens.weight)
         if self.tp.world > 1:  # every rank's vocabulary slice, without the padding rows
-            out = self.tp.gather_last(out)[:, : self.cfg.vocab_size]
-        return out.float()
+            raw = self.tp.gather_last(raw)[:, : self.cfg.vocab_size]
+        return raw.float() if out is None else out.copy_(raw)
 
     def pack_cpu_weights(self) -> bool:
         """Packs every projection and the LM head for oneDNN (see the module docstring); False,

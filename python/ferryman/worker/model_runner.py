@@ -89,7 +89,7 @@ class ModelRunner:
         if fi is None:
             raise ValueError("CUDA graphs need the FlashInfer backend")
         if self.model.tp.world > 1:  # a capture on one rank would wait for the others' all-reduce
-            raise ValueError("decode graphs are captured at start-up only under tensor parallelism")
+            raise ValueError("decode graphs are not captured under tensor parallelism")
         forward = functools.partial(self.model, ops=self.ops)
         head = self.model.compute_logits if logits_in_graph else None
         self.graphs = None  # the old graphs' memory pool goes before the new one is taken

@@ -13,6 +13,10 @@ CUDA, and FlashInfer for the attention backend).
   against one plain pinned ``copy_`` of a buffer of the same size;
 - CUDA graphs vs eager decode: the same runner's median decode step with its graphs, then with
   them switched off, at each batch size (graphs only exist on CUDA with FlashInfer);
+- at batches up to 32, the same runner's decode step with the skinny GEMM kernel on the
+  projections and row counts where it measured faster than cuBLAS (``skinny_decode_step_ms``,
+  ``skinny_decode_vs_roofline``, ``skinny_chosen``; ``ModelRunner.use_skinny_gemm``), then back
+  on cuBLAS;
 - the whole ``Engine.step()`` at each batch size (``engine_step_ms``: an Engine on the same shape
   with ``load_format="dummy"``, its defaults on: async scheduling, CUDA graphs, the sampler,
   outputs) over the runner-alone step above (``engine_step_over_runner``; target <= 1.10), and
@@ -75,8 +79,9 @@ def sync() -> None:
 
 def output_room(batch: int, ctx: int, steps: int) -> int:
     """Output tokens a request needs: the prefill steps of the whole batch (8192 tokens each),
-    in which it may already decode, then 2 * ``steps`` decode steps and a margin."""
-    return -(-batch * ctx // 8192) + 2 * steps + 8
+    in which it may already decode, then 3 * ``steps`` decode steps (graphs, eager, the skinny
+    GEMM) and a margin."""
+    return -(-batch * ctx // 8192) + 3 * steps + 8
 
 
 def prepare(
@@ -132,13 +137,14 @@ def decode_and_prefill(model: LlamaForCausalLM, batch: int, ctx: int, steps: int
     graphs, runner.graphs = runner.graphs, None
     eager_s = decode_steps(s, runner, steps)[0] if graphs is not None else None
     runner.graphs = graphs
+    skinny = skinny_steps(s, runner, batch, steps)
     step, fwd = float(np.median(step_s)), float(np.median(fwd_s))
     kv_bytes = batch * (ctx + steps / 2) * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
     weights = (
         sum(p.numel() for p in model.parameters()) * 2 - cfg.vocab_size * cfg.hidden_size * 2
     )  # no embed read
     roofline_s = (weights + kv_bytes) / HBM_BYTES_PER_S
-    return {
+    row: dict[str, Any] = {
         "batch": batch,
         "context": ctx,
         "attention_backend": runner.attention_backend,
@@ -152,7 +158,27 @@ def decode_and_prefill(model: LlamaForCausalLM, batch: int, ctx: int, steps: int
         "cuda_graphs": graphs is not None,
         "eager_decode_step_ms": round(float(np.median(eager_s)) * 1e3, 3) if eager_s else None,
         "graph_speedup": round(float(np.median(eager_s)) / step, 3) if eager_s else None,
+        **skinny,
     }
+    if "skinny_decode_step_ms" in row:
+        row["skinny_decode_vs_roofline"] = round(roofline_s * 1e3 / row["skinny_decode_step_ms"], 3)
+    return row
+
+
+def skinny_steps(s: Scheduler, runner: ModelRunner, batch: int, steps: int) -> dict[str, Any]:
+    """Decode steps with the skinny GEMM where it measured faster than cuBLAS on this device
+    (``ModelRunner.use_skinny_gemm``; CUDA, batches up to 32), then cuBLAS again: the step's
+    median and, per projection shape, which row counts chose the kernel."""
+    if runner.device.type != "cuda" or batch > 32:
+        return {}
+    try:
+        report = runner.use_skinny_gemm()
+        step_s = decode_steps(s, runner, steps)[0]
+        runner.use_skinny_gemm(on=False)
+    except Exception as e:  # the cuBLAS figures above still count
+        return {"skinny_error": f"{type(e).__name__}: {e}"}
+    chosen = {shape: {m: r["chosen"] for m, r in g["rows"].items()} for shape, g in report.items()}
+    return {"skinny_decode_step_ms": round(float(np.median(step_s)) * 1e3, 3), "skinny_chosen": chosen}
 
 
 def decode_steps(s: Scheduler, runner: ModelRunner, steps: int) -> tuple[list[float], list[float]]:

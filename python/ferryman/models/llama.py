@@ -15,6 +15,8 @@ only (it writes no K/V for the padding), and the hidden states returned are the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,9 +32,11 @@ from ferryman.models.tensor_parallel import Shard, TensorParallel, embed, our_na
 
 class Linear(nn.Linear):
     """``nn.Linear`` whose weight can move to oneDNN's packed layout (``pack()``; CPU float32).
-    Packing frees the plain weight: a packed layer is for inference only."""
+    Packing frees the plain weight: a packed layer is for inference only. On CUDA, ``skinny``
+    (set by ``worker/gemm_choice.py``) maps row counts to the skinny GEMM kernel's launcher."""
 
     packed: torch.Tensor | None = None
+    skinny: dict[int, Callable[..., torch.Tensor]] | None = None
 
     def reset_parameters(self) -> None:
         """Nothing: weights always come from a checkpoint. (On the meta device, where models are
@@ -43,6 +47,10 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.skinny is not None and x.dim() == 2 and x.stride(1) == 1:
+            run = self.skinny.get(x.shape[0])
+            if run is not None:
+                return run(x, self.weight, self.bias)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return cpu_linear.packed_linear(x, self.packed, self.bias)

@@ -15,6 +15,7 @@ attention, once they pass a check against the torch reference at start-up (``mod
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import numpy as np
 import torch
@@ -95,6 +96,24 @@ class ModelRunner:
         self.graphs = None  # the old graphs' memory pool goes before the new one is taken
         torch.cuda.empty_cache()
         self.graphs = DecodeGraphs(fi, forward, sizes, pages, head)
+
+    def use_skinny_gemm(self, on: bool = True) -> dict[str, Any]:
+        """Measures, per projection and decode graph size up to ``skinny_gemm.MAX_ROWS``, whether
+        the skinny GEMM kernel beats cuBLAS on this device and uses it where it does
+        (``worker/gemm_choice.py``; ``on=False``: cuBLAS everywhere again), then captures the
+        graphs again. Returns the measurements. CUDA, one rank only."""
+        from ferryman.worker import gemm_choice
+
+        if self.device.type != "cuda" or self.model.tp.world > 1:
+            raise ValueError("the skinny GEMM runs on one CUDA device")
+        report: dict[str, Any] = {}
+        if on:
+            report = gemm_choice.calibrate(self.model, self._graph_args[1])
+        else:
+            gemm_choice.clear(self.model)
+        if self.graphs is not None:
+            self.capture_graphs(logits_in_graph=self.graphs.logits_in_graph)
+        return report
 
     @torch.inference_mode()
     def execute(

@@ -1,0 +1,137 @@
+"""``y = x @ w.T (+ bias)`` for a few rows ``x`` ``[M, K]`` (a decode step's, M ≤ 32) against a
+weight ``w`` ``[N, K]`` in bf16 or fp16: a Triton kernel that splits only the output features.
+
+Why: a decode step at batch 1 is a chain of GEMVs that should run at the memory bandwidth, and on
+the H200 cuBLAS's kernels for the smaller projections did not (o_proj 4096 x 4096 at 0.46 of the
+copy bandwidth, qkv at 0.72; docs/gpu.md). Each program here owns ``BLOCK_N`` output features of
+every row: it streams its ``[BLOCK_N, K]`` slice of the weight through ``tl.dot`` (rows padded
+to ``BLOCK_M``, which costs nothing where memory is the limit) in ``BLOCK_K`` steps, pipelined
+``num_stages`` deep, accumulating in float32; so N / BLOCK_N programs cover the device (128 to 512
+of them at Llama-3-8B's shapes), with no split of K and no second pass.
+
+``CONFIGS`` are the tile shapes tried; which is fastest, and whether any beats cuBLAS, is
+measured on the device itself (``worker/gemm_choice.py``), never assumed. ``reference`` is what the
+kernel must equal up to float32 summation order: the product in float32, rounded once.
+
+Contract: ``x`` and ``w`` on one device, same dtype (bf16 or fp16), ``w`` contiguous, ``x`` rows
+contiguous; ``1 <= M <= MAX_ROWS``; fewer than 2^31 weight elements (int32 offsets). The output
+is a new ``[M, N]`` tensor of ``x``'s dtype.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 32  # above it cuBLAS's GEMM tiles are full enough
+
+
+class Config(NamedTuple):
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# tile shapes tried on the device; shared memory per stage is at most (32 + 128) x 256 x 2 bytes
+CONFIGS = (
+    Config(16, 256, 4, 4),
+    Config(32, 256, 4, 4),
+    Config(64, 128, 4, 4),
+    Config(128, 128, 8, 3),
+)
+
+
+def block_m(m: int) -> int:
+    """The rows a program computes: ``m`` padded to 16 or 32 (``tl.dot`` wants at least 16)."""
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"skinny GEMM takes 1 to {MAX_ROWS} rows, not {m}")
+    return 16 if m <= 16 else 32
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+    w_ptrs = w_ptr + rn[None, :] * stride_wn + rk[:, None]  # a [BLOCK_K, BLOCK_N] view of w.T
+    row_ok = rm[:, None] < M
+    col_ok = rn[None, :] < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=row_ok, other=0.0)
+            w = tl.load(w_ptrs, mask=col_ok, other=0.0)
+        else:
+            left = K - k * BLOCK_K
+            x = tl.load(x_ptrs, mask=row_ok & (rk[None, :] < left), other=0.0)
+            w = tl.load(w_ptrs, mask=col_ok & (rk[:, None] < left), other=0.0)
+        acc = tl.dot(x, w, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    y = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=row_ok & col_ok)
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, cfg: Config) -> torch.Tensor:
+    """``x @ w.T + bias`` by the kernel with tile shape ``cfg`` (the module's contract)."""
+    m, k = x.shape
+    n = w.shape[0]
+    if x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"skinny GEMM takes bf16 or fp16 alike, not {x.dtype} x {w.dtype}")
+    if w.shape[1] != k or not w.is_contiguous() or x.stride(1) != 1:
+        raise ValueError(f"skinny GEMM: x {tuple(x.shape)} against w {tuple(w.shape)}, contiguous rows")
+    if w.numel() >= 2**31 or x.stride(0) * m >= 2**31:  # the kernel's offsets are int32
+        raise ValueError(f"skinny GEMM: w {tuple(w.shape)} has too many elements for int32 offsets")
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, cfg.block_n),)
+    _skinny_kernel[grid](
+        x,
+        w,
+        bias if bias is not None else w,  # not read without HAS_BIAS
+        y,
+        m,
+        n,
+        k,
+        x.stride(0),
+        w.stride(0),
+        y.stride(0),
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % cfg.block_k == 0,
+        BLOCK_M=block_m(m),
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return y
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What ``skinny_linear`` computes: the product (and bias) in float32, rounded once."""
+    y = x.float() @ w.float().T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

@@ -1,0 +1,128 @@
+"""Which GEMM each projection runs at each decode row count on CUDA: cuBLAS (``F.linear``) or
+the skinny kernel (``kernels/skinny_gemm.py``) at one of its tile shapes, whichever this device
+runs faster on this model's own weights. ``ModelRunner.use_skinny_gemm()`` measures and applies
+it (off by default until a device run says it pays; docs/gpu.md).
+
+How: the projections are grouped by weight shape, dtype and bias (Llama-3-8B: qkv, o, gate_up,
+down and the LM head). For each group and row count, every module of the group runs once per
+round, three rounds, timed with CUDA events: a weight is read again only after the rest of its
+group, as in a forward (at 8B's shapes each group is far larger than the L2). A tile shape is
+first checked against ``skinny_gemm.reference`` on the group's first module, and one that fails
+to compile (shared memory) or to match is left out. The kernel is chosen only where it beats
+cuBLAS by ``MARGIN``.
+
+Invariant: a ``Linear``'s ``skinny`` maps row counts to a checked, measured launcher; row counts
+without one (and any non-contiguous input) run ``F.linear``. Graphs captured before a change
+must be captured again (the runner does).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ferryman.models.llama import Linear
+
+MARGIN = 0.03  # the kernel must take at most 97% of cuBLAS's time
+ROUNDS = 3
+
+
+def choose(timings: dict[str, float], margin: float = MARGIN) -> str | None:
+    """The fastest tile shape of ``timings`` (name -> seconds, ``"cublas"`` among them), if it
+    beats cuBLAS by ``margin``; else None."""
+    base = timings["cublas"]
+    rest = {n: t for n, t in timings.items() if n != "cublas"}
+    if not rest:
+        return None
+    best = min(rest, key=lambda n: rest[n])
+    return best if rest[best] <= base * (1 - margin) else None
+
+
+def groups(model: torch.nn.Module) -> dict[tuple[int, int, torch.dtype, bool], list[Linear]]:
+    """The model's bf16/fp16 CUDA projections by (out, in, dtype, has bias)."""
+    out: dict[tuple[int, int, torch.dtype, bool], list[Linear]] = {}
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if not isinstance(mod, Linear) or w is None or w.device.type != "cuda" or w.dim() != 2:
+            continue
+        if w.dtype not in (torch.bfloat16, torch.float16) or not w.is_contiguous():
+            continue
+        out.setdefault((w.shape[0], w.shape[1], w.dtype, mod.bias is not None), []).append(mod)
+    return out
+
+
+def _timed(fn: Callable[[Linear], Any], mods: list[Linear]) -> float:
+    """Seconds per call of ``fn`` over ``ROUNDS`` passes through ``mods``."""
+    fn(mods[0])
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    start.record()
+    for _ in range(ROUNDS):
+        for m in mods:
+            fn(m)
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) / 1e3 / (ROUNDS * len(mods))
+
+
+def calibrate(model: torch.nn.Module, rows: Iterable[int]) -> dict[str, Any]:
+    """Measures and sets every projection's ``skinny`` for ``rows`` (each 1..``MAX_ROWS``);
+    returns a report: per group, per row count, the seconds of each candidate and the choice."""
+    from ferryman.kernels import skinny_gemm as sg
+
+    with torch.inference_mode():
+        return _calibrate(model, rows, sg)
+
+
+def _calibrate(model: torch.nn.Module, rows: Iterable[int], sg: Any) -> dict[str, Any]:
+    report: dict[str, Any] = {}
+    row_counts = sorted({m for m in rows if 1 <= m <= sg.MAX_ROWS})
+    for (n, k, dtype, _), mods in groups(model).items():
+        chosen: dict[int, Callable[..., torch.Tensor]] = {}
+        per_rows: dict[int, Any] = {}
+        for m in row_counts:
+            x = torch.randn(m, k, dtype=dtype, device=mods[0].weight.device)
+            timings, cfgs = _measure(x, mods, sg)
+            pick = choose(timings)
+            per_rows[m] = {"us": {t: round(s * 1e6, 2) for t, s in timings.items()}, "chosen": pick}
+            if pick is not None:
+                chosen[m] = functools.partial(sg.skinny_linear, cfg=cfgs[pick])
+        for mod in mods:
+            mod.skinny = dict(chosen) if chosen else None
+        report[f"{n}x{k}"] = {"modules": len(mods), "rows": per_rows}
+    return report
+
+
+def _measure(x: torch.Tensor, mods: list[Linear], sg: Any) -> tuple[dict[str, float], dict[str, Any]]:
+    """Seconds per call of cuBLAS and of each tile shape that compiles and matches the
+    reference on ``mods[0]``, on input ``x``; and those tile shapes by name."""
+    timings = {"cublas": _timed(lambda mod: F.linear(x, mod.weight, mod.bias), mods)}
+    cfgs = {}
+    first = mods[0]
+    for cfg in sg.CONFIGS:
+        name = "x".join(map(str, cfg))
+        try:
+            got = sg.skinny_linear(x, first.weight, first.bias, cfg)
+            want = sg.reference(x, first.weight, first.bias)
+            if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
+                continue
+
+            def run(mod: Linear, c: Any = cfg) -> torch.Tensor:
+                return sg.skinny_linear(x, mod.weight, mod.bias, c)  # type: ignore[no-any-return]
+
+            timings[name] = _timed(run, mods)
+            cfgs[name] = cfg
+        except Exception:  # e.g. a tile shape over this device's shared memory
+            continue
+    return timings, cfgs
+
+
+def clear(model: torch.nn.Module) -> None:
+    """Every projection back to ``F.linear``."""
+    for mod in model.modules():
+        if isinstance(mod, Linear):
+            mod.skinny = None

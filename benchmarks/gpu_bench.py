@@ -14,9 +14,10 @@ CUDA, and FlashInfer for the attention backend).
 - CUDA graphs vs eager decode: the same runner's median decode step with its graphs, then with
   them switched off, at each batch size (graphs only exist on CUDA with FlashInfer);
 - at batches up to 32, the same runner's decode step with the skinny GEMM kernel on the
-  projections and row counts where it measured faster than cuBLAS (``skinny_decode_step_ms``,
-  ``skinny_decode_vs_roofline``, ``skinny_chosen``; ``ModelRunner.use_skinny_gemm``), then back
-  on cuBLAS;
+  projections and row counts where it measured faster than cuBLAS (``ModelRunner.use_skinny_gemm``),
+  then as many steps on cuBLAS again: ``skinny_decode_step_ms``, ``cublas_again_decode_step_ms``,
+  their ratio ``skinny_over_cublas``, ``skinny_decode_vs_roofline`` (``decode_vs_roofline`` over
+  that ratio), which row counts chose the kernel and each candidate's time per shape;
 - the whole ``Engine.step()`` at each batch size (``engine_step_ms``: an Engine on the same shape
   with ``load_format="dummy"``, its defaults on: async scheduling, CUDA graphs, the sampler,
   outputs) over the runner-alone step above (``engine_step_over_runner``; target <= 1.10), and
@@ -79,9 +80,9 @@ def sync() -> None:
 
 def output_room(batch: int, ctx: int, steps: int) -> int:
     """Output tokens a request needs: the prefill steps of the whole batch (8192 tokens each),
-    in which it may already decode, then 3 * ``steps`` decode steps (graphs, eager, the skinny
-    GEMM) and a margin."""
-    return -(-batch * ctx // 8192) + 3 * steps + 8
+    in which it may already decode, then 4 * ``steps`` decode steps (graphs, eager, the skinny
+    GEMM, cuBLAS again) and a margin."""
+    return -(-batch * ctx // 8192) + 4 * steps + 8
 
 
 def prepare(
@@ -161,24 +162,40 @@ def decode_and_prefill(model: LlamaForCausalLM, batch: int, ctx: int, steps: int
         **skinny,
     }
     if "skinny_decode_step_ms" in row:
-        row["skinny_decode_vs_roofline"] = round(roofline_s * 1e3 / row["skinny_decode_step_ms"], 3)
+        # the first timed steps' roofline fraction, scaled by the adjacent skinny / cuBLAS ratio
+        row["skinny_decode_vs_roofline"] = round(row["decode_vs_roofline"] / row["skinny_over_cublas"], 3)
     return row
 
 
 def skinny_steps(s: Scheduler, runner: ModelRunner, batch: int, steps: int) -> dict[str, Any]:
     """Decode steps with the skinny GEMM where it measured faster than cuBLAS on this device
-    (``ModelRunner.use_skinny_gemm``; CUDA, batches up to 32), then cuBLAS again: the step's
-    median and, per projection shape, which row counts chose the kernel."""
+    (``ModelRunner.use_skinny_gemm``; CUDA, batches up to 32), then as many on cuBLAS again, so
+    the two sides are next to each other in time (the contexts grow by ``steps`` in between):
+    both medians, their ratio, and per projection shape which row counts chose the kernel."""
     if runner.device.type != "cuda" or batch > 32:
         return {}
     try:
         report = runner.use_skinny_gemm()
-        step_s = decode_steps(s, runner, steps)[0]
-        runner.use_skinny_gemm(on=False)
+        skinny_s = decode_steps(s, runner, steps)[0]
     except Exception as e:  # the cuBLAS figures above still count
         return {"skinny_error": f"{type(e).__name__}: {e}"}
-    chosen = {shape: {m: r["chosen"] for m, r in g["rows"].items()} for shape, g in report.items()}
-    return {"skinny_decode_step_ms": round(float(np.median(step_s)) * 1e3, 3), "skinny_chosen": chosen}
+    finally:
+        runner.use_skinny_gemm(on=False)  # the model is shared with the next batch's runner
+    cublas_s = decode_steps(s, runner, steps)[0]
+
+    def per_shape(key: str) -> dict[str, Any]:
+        return {shape: {m: r[key] for m, r in g["rows"].items() if key in r} for shape, g in report.items()}
+
+    chosen, rejected = per_shape("chosen"), per_shape("rejected")
+    sk, cb = float(np.median(skinny_s)), float(np.median(cublas_s))
+    return {
+        "skinny_decode_step_ms": round(sk * 1e3, 3),
+        "cublas_again_decode_step_ms": round(cb * 1e3, 3),
+        "skinny_over_cublas": round(sk / cb, 3),
+        "skinny_chosen": chosen,
+        "skinny_rejected": {k: v for k, v in rejected.items() if v},
+        "skinny_us": per_shape("us"),
+    }
 
 
 def decode_steps(s: Scheduler, runner: ModelRunner, steps: int) -> tuple[list[float], list[float]]:

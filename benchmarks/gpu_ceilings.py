@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -124,6 +125,7 @@ def main() -> None:
     p.add_argument("--batches", default="1,32,256")
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--smoke", action="store_true", help="a tiny dry run on CPU (what CI checks)")
+    p.add_argument("--out", help="also write the report here after every shape (a timeout keeps those)")
     a = p.parse_args()
     dev = torch.device("cpu" if a.smoke else "cuda")
     div = 64 if a.smoke else 1
@@ -144,6 +146,8 @@ def main() -> None:
             if row.get("skinny_GBps"):
                 row["skinny_of_copy"] = round(row["skinny_GBps"] * 1e9 / copy, 3)
             report["projections"].append(row)
+            if a.out:
+                Path(a.out).write_text(json.dumps(report))
     print(json.dumps(report))
 
 

@@ -26,18 +26,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_skinny_gemm_matches_its_reference_on_the_device(dtype: torch.dtype) -> None:
+    """Every tile shape in bf16 (the interpreter cannot run it), one in fp16 (which the CPU tests
+    cover): each variant is a compile, and the device's time is short."""
     from ferryman.kernels import skinny_gemm as sg
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    for m in (1, 3, 16, 17, 32):
-        for n, k, bias in ((1024, 4096, False), (1536, 576, True), (576, 1536, False), (100, 200, True)):
+    cfgs = sg.CONFIGS if dtype == torch.bfloat16 else sg.CONFIGS[:1]
+    for m in (1, 17):  # padded to 16 and to 32 (and Triton's own case for 1)
+        # K a multiple of every BLOCK_K, and (with a bias) of none
+        for n, k, bias in ((1024, 4096, False), (100, 200, True)):
             x = torch.randn(m, k, device=dev).to(dtype)
             w = (torch.randn(n, k, device=dev) * 0.05).to(dtype)
             b = torch.randn(n, device=dev).to(dtype) if bias else None
             want = sg.reference(x, w, b).float()
             tol = 2 * torch.finfo(dtype).eps * want.abs().clamp(min=1.0)
-            for cfg in sg.CONFIGS:
+            for cfg in cfgs:
                 got = sg.skinny_linear(x, w, b, cfg).float()
                 worst = float((got - want).abs().max())
                 assert bool(((got - want).abs() <= tol).all()), (m, n, k, bias, cfg, worst)
@@ -60,7 +64,7 @@ def test_a_runner_on_the_skinny_gemm_gives_the_logits_of_one_on_cublas(tmp_path:
         model, _ = load_model(ckpt, dt, dev)
         c = model.cfg
         kv = KvCache(c.num_layers, 64, 0, 16, c.num_kv_heads, c.head_dim, dt, dev)
-        spec = {"max_num_seqs": 16, "max_model_len": 128, "attention_backend": "flashinfer"}
+        spec = {"max_num_seqs": 8, "max_model_len": 128, "attention_backend": "flashinfer"}
         runners.append(ModelRunner(model, kv, 16, dev, **spec))
     plain, skinny = runners
     report = skinny.use_skinny_gemm()  # measured: on the tiny model cuBLAS may well win
@@ -70,9 +74,9 @@ def test_a_runner_on_the_skinny_gemm_gives_the_logits_of_one_on_cublas(tmp_path:
     projections = [m for m in skinny.model.modules() if isinstance(m, Linear)]
     for i, mod in enumerate(projections):
         cfg = sg.CONFIGS[i % len(sg.CONFIGS)]
-        mod.skinny = {m: functools.partial(sg.skinny_linear, cfg=cfg) for m in (1, 2, 4, 8, 16)}
+        mod.skinny = {m: functools.partial(sg.skinny_linear, cfg=cfg) for m in (1, 2, 4, 8)}
     skinny.capture_graphs()
-    s = Scheduler(SchedulerConfig(block_size=16, num_device_blocks=64, max_num_seqs=16, max_model_len=128))
+    s = Scheduler(SchedulerConfig(block_size=16, num_device_blocks=64, max_num_seqs=8, max_model_len=128))
     for r in range(5):  # 5 rows: the size-8 graph; then the head's 1..5 sampled rows
         s.add_request(r, [*range(30, 50), r], RequestParams(20, ignore_eos=True))
     (worst,), steps = lockstep([plain, skinny], s)

@@ -6,8 +6,8 @@ the H200 cuBLAS's kernels for the smaller projections did not (o_proj 4096 x 409
 copy bandwidth, qkv at 0.72; docs/gpu.md). Each program here owns ``BLOCK_N`` output features of
 every row: it streams its ``[BLOCK_N, K]`` slice of the weight through ``tl.dot`` (rows padded
 to ``BLOCK_M``, which costs nothing where memory is the limit) in ``BLOCK_K`` steps, pipelined
-``num_stages`` deep, accumulating in float32; so N / BLOCK_N programs cover the device (128 to 512
-of them at Llama-3-8B's shapes), with no split of K and no second pass.
+``num_stages`` deep, accumulating in float32; so N / BLOCK_N programs cover the device (128 to 384
+of them at Llama-3-8B's o, qkv and down), with no split of K and no second pass.
 
 ``CONFIGS`` are the tile shapes tried; which is fastest, and whether any beats cuBLAS, is
 measured on the device itself (``worker/gemm_choice.py``), never assumed. ``reference`` is what the
@@ -36,12 +36,14 @@ class Config(NamedTuple):
     num_stages: int
 
 
-# tile shapes tried on the device; shared memory per stage is at most (32 + 128) x 256 x 2 bytes
+# tile shapes tried on the device: narrow ones, so that N / BLOCK_N programs (256 to 384 at
+# Llama-3-8B's o and qkv) give each SM a few, and deep pipelines of weight tiles in flight;
+# shared memory at most (32 + 16) x 512 x 2 bytes x 4 stages = 192 KiB
 CONFIGS = (
     Config(16, 256, 4, 4),
     Config(32, 256, 4, 4),
-    Config(64, 128, 4, 4),
-    Config(128, 128, 8, 3),
+    Config(16, 512, 4, 4),
+    Config(16, 128, 4, 6),
 )
 
 

@@ -4,12 +4,14 @@ runs faster on this model's own weights. ``ModelRunner.use_skinny_gemm()`` measu
 it (off by default until a device run says it pays; docs/gpu.md).
 
 How: the projections are grouped by weight shape, dtype and bias (Llama-3-8B: qkv, o, gate_up,
-down and the LM head). For each group and row count, every module of the group runs once per
-round, three rounds, timed with CUDA events: a weight is read again only after the rest of its
-group, as in a forward (at 8B's shapes each group is far larger than the L2). A tile shape is
-first checked against ``skinny_gemm.reference`` on the group's first module, and one that fails
-to compile (shared memory) or to match is left out. The kernel is chosen only where it beats
-cuBLAS by ``MARGIN``.
+down and the LM head). For each group and row count, each candidate is captured as a CUDA graph
+that runs every module of the group once (a weight is read again only after the rest of its
+group, as in a forward; at 8B's shapes each group is far larger than the L2), so the timing is
+the device's, not the host's launch cost (a decode step replays graphs too). The candidates'
+graphs are replayed in turn, ``REPEATS`` times, and each takes its median. A tile shape is first
+checked against ``skinny_gemm.reference`` on the first ``CHECK_ROWS`` output features of the
+group's first module; one that fails to compile, raises or differs is left out, with the reason
+in the report. The kernel is chosen only where it beats cuBLAS by ``MARGIN``.
 
 Invariant: a ``Linear``'s ``skinny`` maps row counts to a checked, measured launcher; row counts
 without one (and any non-contiguous input) run ``F.linear``. Graphs captured before a change
@@ -28,7 +30,8 @@ import torch.nn.functional as F
 from ferryman.models.llama import Linear
 
 MARGIN = 0.03  # the kernel must take at most 97% of cuBLAS's time
-ROUNDS = 3
+REPEATS = 5
+CHECK_ROWS = 256  # of the weight, for the check against the reference (not a float32 copy of it all)
 
 
 def choose(timings: dict[str, float], margin: float = MARGIN) -> str | None:
@@ -55,18 +58,29 @@ def groups(model: torch.nn.Module) -> dict[tuple[int, int, torch.dtype, bool], l
     return out
 
 
-def _timed(fn: Callable[[Linear], Any], mods: list[Linear]) -> float:
-    """Seconds per call of ``fn`` over ``ROUNDS`` passes through ``mods``."""
-    fn(mods[0])
-    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    start.record()
-    for _ in range(ROUNDS):
+def _graph(fn: Callable[[Linear], Any], mods: list[Linear]) -> torch.cuda.CUDAGraph:
+    """``fn`` over every module of ``mods`` once, captured (``fn`` has run once: compiled)."""
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
         for m in mods:
             fn(m)
-    end.record()
-    end.synchronize()
-    return float(start.elapsed_time(end)) / 1e3 / (ROUNDS * len(mods))
+    return g
+
+
+def _median_seconds(graphs: dict[str, torch.cuda.CUDAGraph], calls: int) -> dict[str, float]:
+    """Per graph, the median seconds per call over ``REPEATS`` replays, the graphs in turn."""
+    times: dict[str, list[float]] = {n: [] for n in graphs}
+    for _ in range(REPEATS):
+        for n, g in graphs.items():
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            times[n].append(float(start.elapsed_time(end)) / 1e3 / calls)
+    return {n: sorted(t)[len(t) // 2] for n, t in times.items()}
 
 
 def calibrate(model: torch.nn.Module, rows: Iterable[int]) -> dict[str, Any]:
@@ -86,9 +100,11 @@ def _calibrate(model: torch.nn.Module, rows: Iterable[int], sg: Any) -> dict[str
         per_rows: dict[int, Any] = {}
         for m in row_counts:
             x = torch.randn(m, k, dtype=dtype, device=mods[0].weight.device)
-            timings, cfgs = _measure(x, mods, sg)
+            timings, cfgs, rejected = _measure(x, mods, sg)
             pick = choose(timings)
             per_rows[m] = {"us": {t: round(s * 1e6, 2) for t, s in timings.items()}, "chosen": pick}
+            if rejected:
+                per_rows[m]["rejected"] = rejected
             if pick is not None:
                 chosen[m] = functools.partial(sg.skinny_linear, cfg=cfgs[pick])
         for mod in mods:
@@ -97,28 +113,33 @@ def _calibrate(model: torch.nn.Module, rows: Iterable[int], sg: Any) -> dict[str
     return report
 
 
-def _measure(x: torch.Tensor, mods: list[Linear], sg: Any) -> tuple[dict[str, float], dict[str, Any]]:
-    """Seconds per call of cuBLAS and of each tile shape that compiles and matches the
-    reference on ``mods[0]``, on input ``x``; and those tile shapes by name."""
-    timings = {"cublas": _timed(lambda mod: F.linear(x, mod.weight, mod.bias), mods)}
-    cfgs = {}
+def _measure(
+    x: torch.Tensor, mods: list[Linear], sg: Any
+) -> tuple[dict[str, float], dict[str, Any], dict[str, str]]:
+    """Seconds per call of cuBLAS and of each tile shape that compiles and matches the reference,
+    on input ``x``; those tile shapes by name; why the others were left out."""
     first = mods[0]
+    w, b = first.weight[:CHECK_ROWS], None if first.bias is None else first.bias[:CHECK_ROWS]
+    want = sg.reference(x, w, b).float()
+    graphs = {"cublas": _graph(lambda mod: F.linear(x, mod.weight, mod.bias), mods)}
+    cfgs, rejected = {}, {}
     for cfg in sg.CONFIGS:
         name = "x".join(map(str, cfg))
         try:
-            got = sg.skinny_linear(x, first.weight, first.bias, cfg)
-            want = sg.reference(x, first.weight, first.bias)
-            if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
+            err = float((sg.skinny_linear(x, w, b, cfg).float() - want).abs().max())
+            if not err <= 2e-2 * max(1.0, float(want.abs().max())):
+                rejected[name] = f"differs from the reference by {err:.3g}"
                 continue
 
             def run(mod: Linear, c: Any = cfg) -> torch.Tensor:
                 return sg.skinny_linear(x, mod.weight, mod.bias, c)  # type: ignore[no-any-return]
 
-            timings[name] = _timed(run, mods)
+            run(first)
+            graphs[name] = _graph(run, mods)
             cfgs[name] = cfg
-        except Exception:  # e.g. a tile shape over this device's shared memory
-            continue
-    return timings, cfgs
+        except Exception as e:  # too much shared memory for this device, or worse: reported
+            rejected[name] = f"{type(e).__name__}: {str(e)[:200]}"
+    return _median_seconds(graphs, len(mods)), cfgs, rejected
 
 
 def clear(model: torch.nn.Module) -> None:

@@ -9,7 +9,10 @@ to ``BLOCK_M``, which costs nothing where memory is the limit) in ``BLOCK_K`` st
 ``num_stages`` deep, accumulating in float32; so N / BLOCK_N programs cover the device (128 to 384
 of them at Llama-3-8B's o, qkv and down), with no split of K and no second pass.
 
-``CONFIGS`` are the tile shapes tried; which is fastest, and whether any beats cuBLAS, is
+For one row, ``GEMV_CONFIGS`` run ``_gemv_kernel`` instead: no ``tl.dot``, the weight tile times
+the row in registers, summed along K once at the end.
+
+``CONFIGS`` (and for one row ``GEMV_CONFIGS``, ``configs_for``) are the tile shapes tried; which is fastest, and whether any beats cuBLAS, is
 measured on the device itself (``worker/gemm_choice.py``), never assumed. ``reference`` is what the
 kernel must equal up to float32 summation order: the product in float32, rounded once.
 
@@ -34,6 +37,12 @@ class Config(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    gemv: bool = False  # the one-row kernel (``_gemv_kernel``), for M = 1 only
+
+    @property
+    def name(self) -> str:
+        kind = "gemv" if self.gemv else "dot"
+        return f"{kind}-{self.block_n}x{self.block_k}-w{self.num_warps}-s{self.num_stages}"
 
 
 # tile shapes tried on the device: narrow ones, so that N / BLOCK_N programs (256 to 384 at
@@ -45,6 +54,19 @@ CONFIGS = (
     Config(16, 512, 4, 4),
     Config(16, 128, 4, 6),
 )
+# one row: no tl.dot (whose 16-row tiles are 15/16 padding there), the weight tile multiplied in
+# registers and summed along K once at the end; BLOCK_N down to 4 for more programs in flight
+GEMV_CONFIGS = (
+    Config(8, 512, 4, 3, True),
+    Config(16, 256, 4, 4, True),
+    Config(4, 1024, 4, 3, True),
+    Config(16, 512, 8, 3, True),
+)
+
+
+def configs_for(m: int) -> tuple[Config, ...]:
+    """The tile shapes worth trying at ``m`` rows."""
+    return CONFIGS + GEMV_CONFIGS if m == 1 else CONFIGS
 
 
 def block_m(m: int) -> int:
@@ -97,6 +119,41 @@ def _skinny_kernel(
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=row_ok & col_ok)
 
 
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    N,
+    K,
+    stride_wn,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
+    col_ok = rn[:, None] < N
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            x = tl.load(x_ptr + k * BLOCK_K + rk)
+            w = tl.load(w_ptrs, mask=col_ok, other=0.0)
+        else:
+            left = K - k * BLOCK_K
+            x = tl.load(x_ptr + k * BLOCK_K + rk, mask=rk < left, other=0.0)
+            w = tl.load(w_ptrs, mask=col_ok & (rk[None, :] < left), other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w_ptrs += BLOCK_K
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, cfg: Config) -> torch.Tensor:
     """``x @ w.T + bias`` by the kernel with tile shape ``cfg`` (the module's contract)."""
     m, k = x.shape
@@ -109,10 +166,30 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, c
         raise ValueError(f"skinny GEMM: w {tuple(w.shape)} has too many elements for int32 offsets")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n),)
+    b_or_w = bias if bias is not None else w  # not read without HAS_BIAS
+    if cfg.gemv:
+        if m != 1:
+            raise ValueError(f"the one-row kernel takes 1 row, not {m}")
+        _gemv_kernel[grid](
+            x,
+            w,
+            b_or_w,
+            y,
+            n,
+            k,
+            w.stride(0),
+            HAS_BIAS=bias is not None,
+            EVEN_K=k % cfg.block_k == 0,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        return y
     _skinny_kernel[grid](
         x,
         w,
-        bias if bias is not None else w,  # not read without HAS_BIAS
+        b_or_w,
         y,
         m,
         n,

@@ -8,7 +8,10 @@ decode steps are timed. Host time = wall time of ``engine.step()`` minus the tim
 ``engine.runner.execute(...)`` (the forward, synchronous on CPU). Where the engine has them, the
 host time is split by wrapping, on the instance: ``scheduler.schedule``, ``scheduler.update``
 (with contract v2 it also detokenizes and matches stop strings), the sampling
-(``engine._sampling.sample``, before contract v2 ``engine._sample``), and the output objects
+(``engine._sampling.sample``, before contract v2 ``engine._sample``) without the core's CPU
+sampling kernel inside it (``sample_cpu``), that kernel (``sampler``: on a GPU this is the
+device's work, so ``host_without_sampler_us_per_token`` is the host figure without it), and the
+output objects
 (``engine._outputs.process``, contract v2); the rest is the step's other Python (before contract
 v2: detokenization, stop strings, output objects). A phase whose attribute is missing is left out
 (its time falls into the rest), so the same script measures the engine before and after a
@@ -61,7 +64,7 @@ from ferryman.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = ("greedy", "sampled", "stops")
-PHASES = ("schedule", "update", "sample", "outputs")  # then "rest"
+PHASES = ("schedule", "update", "sample", "sampler", "outputs")  # then "rest"
 PROMPT_LEN, BLOCK = 16, 16
 WARMUP_DECODE_STEPS = 4
 NEVER = ["\x00never-stop-1\x00", "\x00never-stop-2\x00"]  # a random model never prints these
@@ -132,6 +135,13 @@ def instrument(engine: Engine, timer: Timer, split_append: bool = False) -> list
         raise SystemExit("engine.runner.execute not found: cannot separate the forward")
     found = _patch(engine, "scheduler", {"schedule": "schedule", "update": "update"}, timer)
     found += _patch(engine, "_sampling", {"sample": "sample"}, timer)  # contract v2
+    # the core's CPU sampling kernel inside it, where the engine has one: on a GPU that work is
+    # the device's, so it is reported apart ("sampler"; "sample" keeps the Python around it)
+    mod = sys.modules.get("ferryman.worker.sampling_table")
+    if mod is not None and hasattr(mod, "sample_cpu"):
+        kernel = mod.__dict__.setdefault("_unwrapped_sample_cpu", mod.sample_cpu)  # one wrap per run
+        setattr(mod, "sample_cpu", timer.wrap("sampler", kernel))  # noqa: B010
+        found.append("sampler")
     found += _patch(engine, "_outputs", {"process": "outputs"}, timer)
     for attr, label, on in (("_sample", "sample", True), ("_append", "append", split_append)):
         if on and hasattr(engine, attr):  # before contract v2 (_append: per token, ~1 µs/token of timer)
@@ -230,8 +240,12 @@ def run(
         return round(v / requests / 1e3, 3) if per_token else round(v / 1e6, 3)
 
     deciles = statistics.quantiles([r["host"] for r in rows], n=10) if len(rows) > 1 else []
+    for r in rows:
+        r["host_without_sampler"] = r["host"] - r.get("sampler", 0)
     return {
         "host_us_per_token": med("host"),
+        # what the host path costs with the CPU sampler's kernel taken out (the device's work)
+        "host_without_sampler_us_per_token": med("host_without_sampler"),
         "phases_us_per_token": {p: med(p) for p in [*phases, "rest"]},
         "phases_missing": [p for p in PHASES if p not in phases],
         "forward_ms_per_step": med("forward", per_token=False),
@@ -244,7 +258,11 @@ def run(
 def table(report: dict[str, Any]) -> str:
     seen = {p for r in report["scenarios"].values() for p in r["phases_us_per_token"]}
     cols = [*PHASES, *(["append"] if "append" in seen else []), "rest"]
-    head = f"{'scenario':<9}{'host':>8}" + "".join(f"{c:>10}" for c in cols) + f"{'fwd ms':>9}{'step ms':>9}"
+    head = (
+        f"{'scenario':<9}{'host':>8}{'-sampler':>9}"
+        + "".join(f"{c:>10}" for c in cols)
+        + f"{'fwd ms':>9}{'step ms':>9}"
+    )
     lines = [
         f"{report['model']}: {report['requests']} requests decoding, {report['steps']} timed steps, "
         f"torch threads {report['torch_threads']}: medians, host and phases in µs per output token",
@@ -254,7 +272,8 @@ def table(report: dict[str, Any]) -> str:
         ph = r["phases_us_per_token"]
         cells = "".join(f"{ph[c]:>10.3f}" if c in ph else f"{'-':>10}" for c in cols)
         lines.append(
-            f"{name:<9}{r['host_us_per_token']:>8.3f}{cells}{r['forward_ms_per_step']:>9.2f}"
+            f"{name:<9}{r['host_us_per_token']:>8.3f}{r['host_without_sampler_us_per_token']:>9.3f}"
+            f"{cells}{r['forward_ms_per_step']:>9.2f}"
             f"{r['step_ms']:>9.2f}"
         )
     total = sum(r["preemptions"] for r in report["scenarios"].values())

@@ -12,9 +12,10 @@ of them at Llama-3-8B's o, qkv and down), with no split of K and no second pass.
 For one row, ``GEMV_CONFIGS`` run ``_gemv_kernel`` instead: no ``tl.dot``, the weight tile times
 the row in registers, summed along K once at the end.
 
-``CONFIGS`` (and for one row ``GEMV_CONFIGS``, ``configs_for``) are the tile shapes tried; which is fastest, and whether any beats cuBLAS, is
-measured on the device itself (``worker/gemm_choice.py``), never assumed. ``reference`` is what the
-kernel must equal up to float32 summation order: the product in float32, rounded once.
+``CONFIGS`` (and for one row ``GEMV_CONFIGS``: ``configs_for``) are the tile shapes tried; which
+is fastest, and whether any beats cuBLAS, is measured on the device itself
+(``worker/gemm_choice.py``), never assumed. ``reference`` is what the kernel must equal up to
+float32 summation order: the product in float32, rounded once.
 
 Contract: ``x`` and ``w`` on one device, same dtype (bf16 or fp16), ``w`` contiguous, ``x`` rows
 contiguous; ``1 <= M <= MAX_ROWS``; fewer than 2^31 weight elements (int32 offsets). The output

@@ -59,7 +59,13 @@ def groups(model: torch.nn.Module) -> dict[tuple[int, int, torch.dtype, bool], l
 
 
 def _graph(fn: Callable[[Linear], Any], mods: list[Linear]) -> torch.cuda.CUDAGraph:
-    """``fn`` over every module of ``mods`` once, captured (``fn`` has run once: compiled)."""
+    """``fn`` over every module of ``mods`` once, captured; run once first on a side stream, as
+    torch's capture wants (lazy initialisation, Triton's compile, cuBLAS's workspace)."""
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(mods[0])
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -134,7 +140,6 @@ def _measure(
             def run(mod: Linear, c: Any = cfg) -> torch.Tensor:
                 return sg.skinny_linear(x, mod.weight, mod.bias, c)  # type: ignore[no-any-return]
 
-            run(first)
             graphs[name] = _graph(run, mods)
             cfgs[name] = cfg
         except Exception as e:  # too much shared memory for this device, or worse: reported

@@ -27,6 +27,7 @@ def register(sub: Any) -> None:
             "preemption_mode",
             "max_num_batched_tokens",
             "async_scheduling",
+            "dtype",
         ),
         help_overrides={"num_device_blocks": "device KV blocks (default: every request fits)"},
     )
@@ -106,8 +107,10 @@ def run_throughput(a: argparse.Namespace) -> int:
         "max_num_batched_tokens": a.max_num_batched_tokens,
         "max_model_len": max(len(p) + m for p, m in work),
         "async_scheduling": a.async_scheduling,
+        "dtype": a.dtype,
     }
     report: dict[str, object] = {
+        "dtype": a.dtype,
         "num_prompts": a.num_prompts,
         "sampling": dataclasses.asdict(sampling),
         "input_len": a.input_len,

@@ -89,21 +89,22 @@ def run_ferryman(
 
 
 def run_transformers(
-    model: str, work: list[tuple[list[int], int]], sampling: Sampling = Sampling()
+    model: str, work: list[tuple[list[int], int]], sampling: Sampling = Sampling(), dtype: str = "float32"
 ) -> dict[str, float]:
+    """transformers' batched ``generate`` on the same weights, in ``dtype`` (a torch dtype name;
+    the CPU's float32 unless the compared run used another)."""
     import torch
     import transformers as tf
 
     from ferryman.model_loader import resolve_model_path
 
     path = resolve_model_path(model)
+    dt = getattr(torch, dtype)
     hf: Any
     if path.suffix == ".gguf":
-        hf = tf.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32
-        )
+        hf = tf.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dt)
     else:
-        hf = tf.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        hf = tf.AutoModelForCausalLM.from_pretrained(str(path), dtype=dt)
     hf.eval()
     width = max(len(p) for p, _ in work)
     ids = torch.zeros((len(work), width), dtype=torch.long)

@@ -234,6 +234,10 @@ def test_bench_throughput_smoke(models: dict[str, Path], capsys: pytest.CaptureF
     assert strict["pool_basis"] == "peak" and "transformers" not in strict
     peak = strict["ferryman_ample"]["peak_blocks_used"]
     assert peak // 2 <= strict["ferryman"]["num_device_blocks"] <= ours["num_device_blocks"]
+    assert main([*args[:4], "--num-prompts", "2", *args[6:12], "--dtype", "bfloat16", "--json"]) == 0
+    half = json.loads(capsys.readouterr().out)  # both sides in bfloat16
+    assert half["dtype"] == "bfloat16"
+    assert half["ferryman"]["output_tokens"] == half["transformers"]["output_tokens"] > 0
 
 
 def test_host_overhead_benchmark_smoke() -> None:

@@ -17,10 +17,10 @@
 //! of a float32 boundary (a block of surely kept tokens has its mass summed in its own order).
 //!
 //! What makes it cheap:
-//! - top-k by selection (O(V)) of the k-th largest, not a sort of the vocabulary: below 2,048
-//!   tokens over every token's sort key, which leaves the candidates first (no pass to filter
-//!   them out); from 2,048 on, only over the tokens above a pivot read off a strided sample of
-//!   the row (`pivot`);
+//! - top-k by selection (O(V)) of the k-th largest, not a sort of the vocabulary: from 2,048
+//!   tokens on, over the tokens above a pivot read off a strided sample of the row (`pivot`);
+//!   below that, for a k too large to gain from a pivot, or where the sample misjudged, over
+//!   every token's sort key, which leaves the candidates first (no pass to filter them out);
 //! - top-p after a top-k of at most 128 candidates: one sort of them (at that size cheaper than
 //!   selecting); otherwise without sorting most of what it keeps: no probability exceeds the
 //!   largest, so a first block of tokens is surely kept and is selected, not sorted, and so on
@@ -88,7 +88,7 @@ pub fn uniform(seed: i64, position: i64, token: i64) -> f64 {
 /// passes cost more than they saved).
 const PIVOT_MIN_VOCAB: usize = 2048;
 
-/// The most top-k candidates whose top-p cut sorts them all (`cut_top_p`).
+/// The most top-k candidates whose top-p cut sorts them all (`cut_sorted_top_p`).
 const SORT_ALL_MAX: usize = 128;
 
 /// Reusable buffers: sampling many rows allocates once.
@@ -96,8 +96,10 @@ const SORT_ALL_MAX: usize = 128;
 pub struct RowSampler {
     /// The row's scaled logits.
     lg: Vec<f32>,
-    /// The survivors' token ids: after top-k in id order; after top-p in the order of its cut
-    /// (blocks by descending logit, each unordered, the last sorted).
+    /// The survivors' token ids: after top-k in id order (the pivot's path) or in the order of
+    /// the selection (`top_k` says which); sorted by descending logit for a top-p over at most
+    /// `SORT_ALL_MAX`; after a larger top-p in the order of its cut (blocks by descending logit,
+    /// each unordered, the last sorted).
     cand: Vec<u32>,
     /// Selection buffer of sort keys: every token's, or those above a pivot (top-p alone), or
     /// every candidate's.
@@ -137,7 +139,7 @@ impl RowSampler {
                     self.cut_sorted_top_p(p.top_p);
                 } else {
                     if top_p && keyed {
-                        self.cand.sort_unstable(); // `cut_top_p` breaks ties by candidate order
+                        self.candidates_by_id(); // `cut_top_p` breaks ties by candidate order
                     }
                     self.candidate_weights();
                     if top_p {
@@ -221,7 +223,6 @@ impl RowSampler {
         std::mem::swap(&mut self.weights, &mut self.scratch);
     }
 
-    /// The race over the candidates, whose weights are in `weights`.
     /// Top-p over candidates already by descending logit (`sort_candidates`; at most
     /// `SORT_ALL_MAX`, where one sort cost less than the selects of `cut_sorted_prefixes`):
     /// keeps those up to the first whose preceding mass exceeds p.
@@ -233,6 +234,7 @@ impl RowSampler {
         self.weights.truncate(keep);
     }
 
+    /// The race over the candidates, whose weights are in `weights`.
     fn race_candidates(&self, p: &RowParams) -> u32 {
         race(&self.weights, |i| self.cand[i], p).unwrap_or(self.cand[0])
     }

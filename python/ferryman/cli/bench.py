@@ -140,7 +140,8 @@ def run_throughput(a: argparse.Namespace) -> int:
         hf: dict[str, float] = {}
         if not a.no_hf:
             hf_dtype = {"auto": "float32", "half": "float16", "float": "float32"}.get(a.dtype, a.dtype)
-            hf = bench.run_transformers(a.model, work, sampling, hf_dtype)
+            hf = bench.run_transformers(a.model, work, sampling, hf_dtype)  # on the CPU
+            report["transformers_dtype"] = hf_dtype
             base = ample or ours  # transformers is compared with the ample-pool run
             vs_hf.append(round(base["output_tokens_per_s"] / hf["output_tokens_per_s"], 3))
         if rep == 0:  # the first repeat's full figures; later ones add their ratios

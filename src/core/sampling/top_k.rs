@@ -12,9 +12,10 @@ impl RowSampler {
     /// `PIVOT_MIN_VOCAB` on, a pivot a little past the k-th largest, read off a strided sample of
     /// the row, splits off the few tokens that can be candidates (a count first, which the
     /// compiler vectorizes, then one pass that writes them out), the k-th is selected among
-    /// those, and the candidates come out in id order (returns false). Below it, or if the sample
-    /// misjudged (fewer than k pass, or the k-th is the pivot itself, which a tie of -0 and +0
-    /// could straddle), the k-th is selected among every token's sort key, which leaves the k
+    /// those, and the candidates come out in id order (returns false). Below it, for a k too
+    /// large for a pivot to gain (`pivot`), or if the sample misjudged (fewer than k pass, or the
+    /// k-th is the pivot itself, which a tie of -0 and +0 could straddle), the k-th is selected
+    /// among every token's sort key, which leaves the k
     /// candidates first in `keys` without a pass to filter them out; the tokens tied with the
     /// k-th past them join them (a count of equal ranks, which the compiler vectorizes, finds
     /// whether there are any). Then `keys` holds the candidates' keys, `cand` their ids in the
@@ -45,6 +46,21 @@ impl RowSampler {
         self.cand.clear();
         self.cand.extend(self.keys.iter().map(|&key| id_of(key)));
         true
+    }
+
+    /// The candidates of `top_k`'s keyed path in id order instead (what `cut_top_p` expects):
+    /// every token not below the least candidate's logit, in one pass over the row.
+    pub(super) fn candidates_by_id(&mut self) {
+        let Some(kth) = self.keys.iter().map(|&k| rank_of(k)).max() else { return };
+        let kth = logit_of(kth);
+        self.cand.clear();
+        self.cand.resize(self.lg.len(), 0);
+        let mut m = 0;
+        for (i, &x) in self.lg.iter().enumerate() {
+            self.cand[m] = i as u32; // branch-free: write every id, advance past the kept ones
+            m += usize::from(x.partial_cmp(&kth) != Some(Ordering::Less));
+        }
+        self.cand.truncate(m);
     }
 
     /// The candidates by descending logit, ties by id: their keys (built here unless `keyed`)

@@ -89,22 +89,23 @@ def run_ferryman(
 
 
 def run_transformers(
-    model: str, work: list[tuple[list[int], int]], sampling: Sampling = Sampling(), dtype: str = "float32"
-) -> dict[str, float]:
-    """transformers' batched ``generate`` on the same weights, in ``dtype`` (a torch dtype name;
-    the CPU's float32 unless the compared run used another)."""
+    model: str, work: list[tuple[list[int], int]], sampling: Sampling = Sampling(), dtype: str = "auto"
+) -> dict[str, Any]:
+    """transformers' batched ``generate`` on the same weights, on the CPU, in ``dtype`` as the
+    Engine's knob names it (``auto``: float32 there); the dtype it ran in is in the result."""
     import torch
     import transformers as tf
 
+    from ferryman.engine_setup import resolve_dtype
     from ferryman.model_loader import resolve_model_path
 
     path = resolve_model_path(model)
-    dt = getattr(torch, dtype)
+    torch_dtype = resolve_dtype(dtype, torch.device("cpu"))
     hf: Any
     if path.suffix == ".gguf":
-        hf = tf.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dt)
+        hf = tf.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch_dtype)
     else:
-        hf = tf.AutoModelForCausalLM.from_pretrained(str(path), dtype=dt)
+        hf = tf.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
     hf.eval()
     width = max(len(p) for p, _ in work)
     ids = torch.zeros((len(work), width), dtype=torch.long)
@@ -139,4 +140,5 @@ def run_transformers(
         "requests_per_s": round(len(work) / dt, 3),
         "output_tokens_per_s": round(tokens / dt, 1),
         "output_tokens": tokens,
+        "dtype": str(torch_dtype).removeprefix("torch."),
     }

@@ -133,18 +133,18 @@ impl RowSampler {
         match top_k {
             Some(k) => {
                 let keyed = self.top_k(k);
-                if top_p && self.cand.len() <= SORT_ALL_MAX {
+                if !top_p {
+                    self.candidate_weights();
+                } else if self.cand.len() <= SORT_ALL_MAX {
                     self.sort_candidates(keyed);
                     self.candidate_weights();
                     self.cut_sorted_top_p(p.top_p);
                 } else {
-                    if top_p && keyed {
+                    if keyed {
                         self.candidates_by_id(); // `cut_top_p` breaks ties by candidate order
                     }
                     self.candidate_weights();
-                    if top_p {
-                        self.cut_top_p(p.top_p);
-                    }
+                    self.cut_top_p(p.top_p);
                 }
             }
             None => self.top_p_prefix(p.top_p),

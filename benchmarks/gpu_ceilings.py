@@ -6,12 +6,10 @@ and 256. Prints one JSON object (``scripts/gpu_check.sh`` runs it on a GPU).
 Each projection is timed with CUDA events over ``--reps`` launches, cycling through enough copies
 of the weight that none is read from L2 again (the model's 32 layers never are); per shape:
 ``us`` (median of 5 rounds), ``GBps`` (weight + activations moved over that time) and
-``of_copy`` (that bandwidth over the copy's). At batches up to ``skinny_gemm.MAX_ROWS`` the
-skinny GEMM kernel (``ferryman/kernels/skinny_gemm.py``) is timed the same way at each of its
-tile shapes, beside cuBLAS: ``skinny_us`` and ``skinny_of_copy`` of the fastest (``skinny_config``),
-``skinny_over_cublas`` (time over cuBLAS's: below 1 is faster) and ``skinny_max_err`` (against
-its reference, on one weight). ``--smoke`` runs the same code on CPU with tiny shapes, without
-the kernel (what CI checks; the figures mean nothing there).
+``of_copy`` (that bandwidth over the copy's). ``--smoke`` runs the same code on CPU with tiny
+shapes (what CI checks; the figures mean nothing there). The skinny GEMM kernel's times beside
+cuBLAS's, per projection and row count, are in ``gpu_bench.py``'s ``skinny_us`` (from
+``ModelRunner.use_skinny_gemm``'s measurement, CUDA graphs on the model's own weights).
 """
 
 from __future__ import annotations
@@ -74,50 +72,7 @@ def projection(
     one()
     s = timed(one, reps, dev)
     moved = 2 * (n_out * n_in + batch * (n_in + n_out))
-    row: dict[str, Any] = {
-        "name": name,
-        "batch": batch,
-        "us": round(s * 1e6, 2),
-        "GBps": round(moved / s / 1e9, 1),
-    }
-    if dev.type == "cuda" and batch <= 32:
-        row.update(skinny(x, ws, reps, dev, s, moved))
-    return row
-
-
-def skinny(
-    x: torch.Tensor, ws: list[torch.Tensor], reps: int, dev: torch.device, cublas_s: float, moved: int
-) -> dict[str, Any]:
-    """The skinny GEMM kernel's fastest tile shape on the same weights, beside cuBLAS's time."""
-    try:
-        from ferryman.kernels import skinny_gemm as sg
-    except ImportError as e:  # no Triton on this machine
-        return {"skinny_error": repr(e)}
-    best: tuple[float, Any] | None = None
-    for cfg in sg.configs_for(x.shape[0]):
-
-        def one(c: Any = cfg, i: list[int] = [0]) -> None:  # noqa: B006 (the call count)
-            sg.skinny_linear(x, ws[i[0] % len(ws)], None, c)
-            i[0] += 1
-
-        try:
-            one()
-        except Exception:  # a tile shape this device cannot run
-            continue
-        t = timed(one, reps, dev)
-        if best is None or t < best[0]:
-            best = (t, cfg)
-    if best is None:
-        return {"skinny_us": None}
-    t, cfg = best
-    err = (sg.skinny_linear(x, ws[0], None, cfg).float() - sg.reference(x, ws[0], None).float()).abs().max()
-    return {
-        "skinny_us": round(t * 1e6, 2),
-        "skinny_GBps": round(moved / t / 1e9, 1),
-        "skinny_config": cfg.name,
-        "skinny_over_cublas": round(t / cublas_s, 3),
-        "skinny_max_err": float(err),
-    }
+    return {"name": name, "batch": batch, "us": round(s * 1e6, 2), "GBps": round(moved / s / 1e9, 1)}
 
 
 def main() -> None:
@@ -143,8 +98,6 @@ def main() -> None:
             copies = max(2, -(-4 * l2 // (2 * n_out * n_in)))  # 4x the L2 between two reads of one
             row = projection(dev, name, n_out, n_in, b, copies, 4 if a.smoke else a.reps)
             row["of_copy"] = round(row["GBps"] * 1e9 / copy, 3)
-            if row.get("skinny_GBps"):
-                row["skinny_of_copy"] = round(row["skinny_GBps"] * 1e9 / copy, 3)
             report["projections"].append(row)
             if a.out:
                 Path(a.out).write_text(json.dumps(report))

@@ -165,47 +165,25 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, c
         raise ValueError(f"skinny GEMM: x {tuple(x.shape)} against w {tuple(w.shape)}, contiguous rows")
     if w.numel() >= 2**31 or x.stride(0) * m >= 2**31:  # the kernel's offsets are int32
         raise ValueError(f"skinny GEMM: w {tuple(w.shape)} has too many elements for int32 offsets")
+    bm = block_m(m)  # 1..MAX_ROWS rows
+    if cfg.gemv and m != 1:
+        raise ValueError(f"the one-row kernel takes 1 row, not {m}")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n),)
     b_or_w = bias if bias is not None else w  # not read without HAS_BIAS
+    tile = {
+        "HAS_BIAS": bias is not None,
+        "EVEN_K": k % cfg.block_k == 0,
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_K": cfg.block_k,
+        "num_warps": cfg.num_warps,
+        "num_stages": cfg.num_stages,
+    }
     if cfg.gemv:
-        if m != 1:
-            raise ValueError(f"the one-row kernel takes 1 row, not {m}")
-        _gemv_kernel[grid](
-            x,
-            w,
-            b_or_w,
-            y,
-            n,
-            k,
-            w.stride(0),
-            HAS_BIAS=bias is not None,
-            EVEN_K=k % cfg.block_k == 0,
-            BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
-        return y
-    _skinny_kernel[grid](
-        x,
-        w,
-        b_or_w,
-        y,
-        m,
-        n,
-        k,
-        x.stride(0),
-        w.stride(0),
-        y.stride(0),
-        HAS_BIAS=bias is not None,
-        EVEN_K=k % cfg.block_k == 0,
-        BLOCK_M=block_m(m),
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+        _gemv_kernel[grid](x, w, b_or_w, y, n, k, w.stride(0), **tile)
+    else:
+        strides = (x.stride(0), w.stride(0), y.stride(0))
+        _skinny_kernel[grid](x, w, b_or_w, y, m, n, k, *strides, BLOCK_M=bm, **tile)
     return y
 
 

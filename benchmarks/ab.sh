@@ -7,8 +7,10 @@
 #
 #   bash benchmarks/ab.sh REV [ROUNDS]        (after scripts/setup.sh has made the venv; ROUNDS=4)
 #
-# Builds REV in a temporary git worktree. Both sides run with this tree's benchmark scripts, so
-# REV must offer the same Python API to sched_overhead.py.
+# Builds REV in a temporary git worktree, each side in a cargo target folder of its own under the
+# work folder (a shared one let cargo take one side's artifacts as the other's: the comparison ran
+# the same build twice). Both sides run with this tree's benchmark scripts, so REV must offer the
+# same Python API to sched_overhead.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REV=${1:?usage: benchmarks/ab.sh REV [ROUNDS]}
@@ -20,7 +22,8 @@ git worktree add --detach -q "$WORK/old" "$REV"
 
 # each side: its own copy of python/ with its own extension, imported through PYTHONPATH
 side() {  # side NAME TREE
-  (cd "$2" && maturin build --release -q -o "$WORK/wheels-$1" >/dev/null 2>&1)
+  # a target folder per side: in a shared one cargo can take the other side's artifacts as fresh
+  (cd "$2" && CARGO_TARGET_DIR="$WORK/target-$1" maturin build --release -q -o "$WORK/wheels-$1" >/dev/null 2>&1)
   cp -r "$2/python" "$WORK/py-$1"
   python - "$WORK/wheels-$1" "$WORK/py-$1/ferryman" <<'PY'
 import glob, sys, zipfile
@@ -48,7 +51,7 @@ for round in $(seq "$ROUNDS"); do
         python -c 'import json,sys; print(json.load(sys.stdin)["ns_per_output_token"])')
       echo "{\"side\": \"$s\", \"what\": \"sched_overhead $pool ns/token\", \"value\": $ns}" >>"$results"
     done
-    (cd "$tree" && cargo bench -q -p ferryman-core --bench schedule_step -- --noplot 2>/dev/null) |
+    (cd "$tree" && CARGO_TARGET_DIR="$WORK/target-$s" cargo bench -q -p ferryman-core --bench schedule_step -- --noplot 2>/dev/null) |
       python -c '
 import json, re, sys
 units = {"ns": 1e-3, "µs": 1.0, "us": 1.0, "ms": 1e3, "s": 1e6}

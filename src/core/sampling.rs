@@ -29,9 +29,11 @@
 //!   `cut_sorted_prefixes`);
 //! - exponentials in a loop the compiler vectorizes (`exp_nonpositive`);
 //! - a race that never takes the logarithm of a token that cannot win (since -ln(u) ≥ 1 - u, a
-//!   token whose p / (1 - u) is below the best race value so far is out, exactly), hashes every
-//!   token it offers without a data-dependent branch before the hash (a mispredicted one cost
-//!   more than the hash), and skips the tokens min-p rules out.
+//!   token whose p / (1 - u) is below the best race value so far is out, exactly), tests that on
+//!   a bound of p with no division (exactly only for what passes), hashes every token it offers
+//!   without a data-dependent branch before the hash (a mispredicted one cost more than the
+//!   hash), and skips the tokens min-p rules out;
+//! - sums of weights in eight running float64 sums (`sum_weights`), not one chain of additions.
 //!
 //! A row with NaN logits returns some token without panicking; the caller fails such a row
 //! (its largest logit is not finite), and which token is not specified.
@@ -159,7 +161,7 @@ impl RowSampler {
         let vocab = self.lg.len();
         let max = self.lg.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         exp_shifted(&mut self.scratch, &self.lg, max); // each exp once, by token
-        let sum = self.scratch.iter().map(|&w| w as f64).sum::<f64>() as f32;
+        let sum = sum_weights(&self.scratch);
         // a large vocabulary's cut usually falls among its first few hundred tokens: top-p runs
         // on those at or above a sampled pivot, past where the cut can first fall, and on the
         // whole row only if the cut is not among them
@@ -209,7 +211,7 @@ impl RowSampler {
     /// aligned.
     fn cut_top_p(&mut self, top_p: f32) {
         let n = self.cand.len();
-        let sum = self.weights.iter().map(|&w| w as f64).sum::<f64>() as f32;
+        let sum = sum_weights(&self.weights);
         let lg = &self.lg;
         self.keys.clear();
         self.keys.extend(self.cand.iter().enumerate().map(|(j, &c)| key(lg[c as usize], j as u32)));
@@ -227,7 +229,7 @@ impl RowSampler {
     /// `SORT_ALL_MAX`, where one sort cost less than the selects of `cut_sorted_prefixes`):
     /// keeps those up to the first whose preceding mass exceeds p.
     fn cut_sorted_top_p(&mut self, top_p: f32) {
-        let sum = self.weights.iter().map(|&w| w as f64).sum::<f64>() as f32;
+        let sum = sum_weights(&self.weights);
         let n = self.cand.len();
         let keep = keep_top_p(self.weights.iter().map(|&w| w / sum), top_p, 0.0).map_or(n, |j| j.max(1));
         self.cand.truncate(keep);
@@ -251,42 +253,83 @@ impl RowSampler {
 /// under min-p × the largest probability (the largest weight is exp(0) = 1). A min-p outside
 /// [0, 1] (the engine refuses one) counts as 0 below and 1 above, NaN as 0.
 fn race(weights: &[f32], id: impl Fn(usize) -> u32, p: &RowParams) -> Option<u32> {
-    let sum = weights.iter().map(|&w| w as f64).sum::<f64>() as f32;
+    let sum = sum_weights(weights);
     let min_p = if p.min_p > 0.0 { p.min_p.min(1.0) } else { 0.0 };
-    let floor = min_p * (1.0 / sum);
-    let mut race = Race::default();
+    let mut race = Race {
+        sum,
+        // q = w / sum rounded in float32 is at most w × this (float64), by far less than the
+        // margin the bound test keeps
+        above_q: (1.0 / f64::from(sum)) * (1.0 + 1e-6),
+        floor: min_p * (1.0 / sum),
+        best: 0.0,
+        winner: None,
+    };
     for (i, &w) in weights.iter().enumerate() {
-        let q = w / sum;
-        // a probability min-p zeroes cannot win (the largest one is never zeroed, min-p being at
-        // most 1): not hashed.
-        // Without min-p the floor is 0 and the branch is never taken
-        if q >= floor {
-            race.offer(id(i), q, p);
-        }
+        race.offer(id(i), w, p);
     }
     race.winner
 }
 
-/// The best p / E offered so far (the first one offered wins ties, as an argmax does).
-#[derive(Debug, Default)]
+/// The sum of `weights` in float64, rounded to float32: eight running sums the compiler keeps
+/// in vector registers (one running sum waited on each addition's latency), added up in a
+/// fixed order, so a row's sum never depends on anything but the row.
+fn sum_weights(weights: &[f32]) -> f32 {
+    let mut acc = [0f64; 8];
+    let chunks = weights.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (a, &w) in acc.iter_mut().zip(c) {
+            *a += f64::from(w);
+        }
+    }
+    let mut sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for &w in rest {
+        sum += f64::from(w);
+    }
+    sum as f32
+}
+
+/// The race over the weights of one row: the best p / E offered so far (the first one offered
+/// wins ties, as an argmax does).
+#[derive(Debug)]
 struct Race {
+    sum: f32,
+    /// At least 1 / sum, so that q <= w × `above_q`.
+    above_q: f64,
+    /// min-p × the largest probability: a probability below it is zeroed (and cannot win, the
+    /// largest one never being zeroed with min-p at most 1); 0 without min-p.
+    floor: f32,
     best: f64,
     winner: Option<u32>,
 }
 
 impl Race {
-    /// Every offer hashes its token: skipping the hash for a probability below best × `U_MIN`
-    /// (which cannot win either) was a branch the processor mispredicted on rows whose
-    /// probabilities span many orders of magnitude, and cost more than the hash. What is left is
-    /// a return taken for almost every token once a winner is set, which the processor predicts.
+    /// Offers `token` of weight `w`. Every offer min-p keeps hashes its token: skipping the
+    /// hash for a probability below best × `U_MIN` (which cannot win either) was a branch the
+    /// processor mispredicted on rows whose probabilities span many orders of magnitude, and
+    /// cost more than the hash. What is left is a return taken for almost every token once a
+    /// winner is set, which the processor predicts.
     #[inline]
-    fn offer(&mut self, token: u32, q: f32, p: &RowParams) {
-        let q = q as f64;
+    fn offer(&mut self, token: u32, w: f32, p: &RowParams) {
+        // the tests below run on a bound of p without the division first, and again exactly
+        // for what passes them
+        let bound = f64::from(w) * self.above_q;
+        if bound < f64::from(self.floor) {
+            return; // zeroed by min-p: not hashed (without min-p never taken)
+        }
         let u = uniform(p.seed, p.position, token as i64);
-        // p / E <= p / (1 - u) since E = -ln(u) >= 1 - u: below the best, it cannot win
-        // (0 before the first offer: every finite one goes on)
+        // p / E <= p / (1 - u) since E = -ln(u) >= 1 - u: below the best, it cannot win (0
+        // before the first offer: every finite one goes on)
         let margin = self.best * (1.0 - 1e-9);
-        if q < margin * (1.0 - u) || q.is_nan() {
+        if bound < margin * (1.0 - u) {
+            return;
+        }
+        let q = w / self.sum;
+        if q < self.floor || q.is_nan() {
+            return; // zeroed by min-p, or NaN
+        }
+        let q = q as f64;
+        if q < margin * (1.0 - u) {
             return;
         }
         let r = q / -u.ln();
@@ -414,7 +457,7 @@ mod tests {
                     lg.iter_mut().step_by(3).for_each(|x| *x = if *x < 0.0 { -0.0 } else { 0.0 });
                 }
                 for top_k in [-1, 1, 5, 50, 200] {
-                    for (top_p, min_p) in [(1.0, 0.0), (0.9, 0.0), (0.5, 0.05), (0.99, 0.0)] {
+                    for (top_p, min_p) in [(1.0, 0.0), (0.9, 0.0), (0.5, 0.05), (0.99, 0.0), (1.0, 0.02)] {
                         let p = RowParams { temperature: 0.8, top_k, top_p, min_p, seed, position: 11 };
                         let want = naive_filtered(&lg, &p);
                         assert_eq!(s.sample(&lg, &p), want, "vocab {vocab} scale {scale} seed {seed} {p:?}");

@@ -41,6 +41,14 @@ fn first_index_of(row: &[f32], v: f32) -> usize {
     done + row[done..].iter().position(|&x| x == v).expect("the value is in the row")
 }
 
+/// A row's largest value ignoring NaN (-inf when empty or all NaN), as `max_and_nan` finds it:
+/// what `fold(f32::NEG_INFINITY, f32::max)` gives, up to which zero of ±0, in vector registers
+/// instead of one compare after another.
+#[inline]
+pub(crate) fn row_max(row: &[f32]) -> f32 {
+    max_and_nan(row).0
+}
+
 /// A row's largest value ignoring NaN, and whether it holds a NaN: eight lanes the compiler
 /// keeps in one vector register, then the lanes and the tail.
 #[inline]

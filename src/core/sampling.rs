@@ -41,7 +41,7 @@
 //! `sample_step` is a whole step's samples: every row's argmax and finiteness check from
 //! `greedy.rs`, then the rows with parameters drawn here.
 
-use crate::greedy::argmax_rows;
+use crate::greedy::{argmax_rows, row_max};
 
 mod keys;
 mod top_k;
@@ -159,7 +159,7 @@ impl RowSampler {
     /// is not among them). Leaves the candidates' weights in `weights`.
     fn top_p_prefix(&mut self, top_p: f32) {
         let vocab = self.lg.len();
-        let max = self.lg.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let max = row_max(&self.lg);
         exp_shifted(&mut self.scratch, &self.lg, max); // each exp once, by token
         let sum = sum_weights(&self.scratch);
         // a large vocabulary's cut usually falls among its first few hundred tokens: top-p runs
@@ -200,7 +200,7 @@ impl RowSampler {
         let lg = &self.lg;
         self.scratch.clear();
         self.scratch.extend(self.cand.iter().map(|&c| lg[c as usize]));
-        let max = self.scratch.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let max = row_max(&self.scratch);
         exp_shifted(&mut self.weights, &self.scratch, max);
     }
 
@@ -243,7 +243,7 @@ impl RowSampler {
 
     /// The race over the whole vocabulary (no top-k or top-p).
     fn race_all(&mut self, p: &RowParams) -> u32 {
-        let max = self.lg.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let max = row_max(&self.lg);
         exp_shifted(&mut self.weights, &self.lg, max);
         race(&self.weights, |t| t as u32, p).unwrap_or(0)
     }

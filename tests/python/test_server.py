@@ -289,6 +289,9 @@ BAD_REQUESTS: list[tuple[str, Any, int, str]] = [
     # JSON can carry a lone surrogate, which is no text (json.dumps escapes it: "\\ud800")
     (CHAT, json.dumps({"messages": [{"role": "user", "content": "a\ud800"}]}), 400, "not valid Unicode"),
     (CMPL, json.dumps({"prompt": ["ok", "\udfff"]}), 400, "nicode"),
+    # ... and a message quoting one still encodes (it was a plain-text 500)
+    (CMPL, json.dumps({"prompt": "x", "model": "x\ud800"}), 404, "x\\ud800"),
+    (CHAT, json.dumps({"messages": [{"role": "user", "content": "hi"}], "model": "\udfff"}), 404, "does not"),
     ("/tokenize", json.dumps({"prompt": "\ud800"}), 400, "not valid Unicode"),
     (
         "/tokenize",
@@ -578,6 +581,15 @@ def test_echo_with_logprobs_as_lm_eval_asks(server: Server, offline: Engine) -> 
         for c in e["choices"]:
             texts[c["index"]] = texts.get(c["index"], "") + c["text"]
     assert texts == {c["index"]: c["text"] for c in plain}
+    # max_tokens 0, streamed: the prompt's logprobs come in its chunk, as they do unstreamed
+    zero = {**body, "max_tokens": 0}
+    plain0 = httpx.post(server.url + "/v1/completions", json=zero).json()["choices"]
+    with httpx.stream("POST", server.url + "/v1/completions", json={**zero, "stream": True}) as resp:
+        streamed = [c for e in sse(resp.iter_lines()) for c in e["choices"]]
+    for c in plain0:
+        got = [s["logprobs"] for s in streamed if s["index"] == c["index"] and s["logprobs"]["tokens"]]
+        assert len(got) == 1 and got[0]["tokens"] == c["logprobs"]["tokens"]
+        assert got[0]["token_logprobs"] == pytest.approx(c["logprobs"]["token_logprobs"], abs=1e-5)
 
 
 def test_vllm_and_openai_request_fields(server: Server, offline: Engine) -> None:

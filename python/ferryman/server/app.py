@@ -185,7 +185,10 @@ def build_app(
             def choice(i: int, d: Delta, u: Update) -> api.CompletionChoice:
                 c = i * n + d.index
                 first, start = c not in offsets, offsets.get(c, 0)
-                lp = responses.completion_logprobs(d.token_ids, d.logprobs, name, start)
+                # with logprobs asked for, a chunk without tokens has empty ones (vLLM's), so an
+                # echo with max_tokens 0 still carries the prompt's below
+                lps = [] if d.logprobs is None and params.logprobs is not None else d.logprobs
+                lp = responses.completion_logprobs(d.token_ids, lps, name, start)
                 offsets[c] = start + (sum(len(t) for t in lp.tokens) if lp is not None else 0)
                 text, plp = d.text, None
                 if first:  # the echoed prompt goes out with the choice's first chunk

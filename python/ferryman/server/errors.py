@@ -28,10 +28,18 @@ def generation(body: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     return {200: ok, **ERRORS}
 
 
+def _encodable(text: str) -> str:
+    """``text`` with any lone surrogate (JSON's ``"\ud800"`` decodes to one) written as its
+    escape: a message quoting the request must still encode as UTF-8 in the answer."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class ApiError(Exception):
     def __init__(
         self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None
     ):
+        message = _encodable(message)
+        param = None if param is None else _encodable(param)
         super().__init__(message)
         self.status, self.body = (
             status,

@@ -13,6 +13,7 @@ from ferryman._core import InvalidRequestError, Scheduler
 from ferryman.chat_template import developer_as_system, open_final_message
 from ferryman.outputs import RequestOutput, StepResult
 from ferryman.sampling_params import SamplingParams
+from ferryman.tokenizer import plain_prompt
 
 Prompt = str | Sequence[int]
 # vLLM's prompt dicts: {"prompt": text} (TextPrompt) and {"prompt_token_ids": ids} (TokensPrompt)
@@ -75,7 +76,7 @@ class OfflineMixin:
         (a BOS where its file adds one), as in vLLM. As in vLLM's ``LLM``, a ``max_tokens`` past
         ``max_model_len`` is cut to the room the prompt leaves (finish_reason "length" there)."""
         one = isinstance(prompts, str | dict) or (len(prompts) > 0 and isinstance(prompts[0], Integral))
-        plist = [_plain(p) for p in ([prompts] if one else cast(Sequence[Any], prompts))]
+        plist = [plain_prompt(p) for p in ([prompts] if one else cast(Sequence[Any], prompts))]
         params = self._per_prompt(sampling_params, len(plist), "prompts")
         return self._run(plist, [None] * len(plist), params, use_tqdm)
 
@@ -201,23 +202,6 @@ class OfflineMixin:
             except ValueError as e:
                 raise InvalidRequestError(str(e)) from None
         return text, self.tokenize(text, add_special_tokens=False)[1]
-
-
-def _plain(p: Any) -> Prompt:
-    """A prompt as ``add_request`` takes it: text or ids; vLLM's prompt dicts are unwrapped (ids
-    first when both are given), and a dict with anything else is refused by name."""
-    if not isinstance(p, dict):
-        return cast(Prompt, p)
-    extra = sorted(set(p) - {"prompt", "prompt_token_ids"})
-    if extra:
-        raise InvalidRequestError(
-            f"prompt dict keys {extra} are not supported (only prompt, prompt_token_ids)"
-        )
-    if "prompt_token_ids" in p:
-        return list(p["prompt_token_ids"])
-    if "prompt" in p:
-        return cast(Prompt, p["prompt"])
-    raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
 
 
 def _flat_message(m: Any) -> dict[str, Any]:

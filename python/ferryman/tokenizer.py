@@ -17,6 +17,7 @@ transformers as before.
 from __future__ import annotations
 
 import json
+import operator
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -178,16 +179,47 @@ def prompt_ids(
     unless ``add_special_tokens`` is false (a rendered chat, whose template has its own); ids
     checked against the vocabulary. ``InvalidRequestError`` for text without a tokenizer, text
     that is not valid Unicode, or ids outside the vocabulary."""
+    prompt = plain_prompt(prompt)
     if isinstance(prompt, str):
         if tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: pass prompts as token-id lists")
         check_text(prompt)
         return prompt, list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
-    ids = [int(t) for t in prompt]
+    if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Iterable):
+        raise InvalidRequestError(f"a prompt is text or a list of token ids, got {type(prompt).__name__}")
+    ids = [t if type(t) is int else _token_id(t) for t in prompt]
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidRequestError(f"token id {bad} out of range [0, {vocab_size})")
     return None, ids
+
+
+def _token_id(t: Any) -> int:
+    """A token id given as another integer type (numpy's); a float, a bool or text is refused,
+    not truncated or read as a number."""
+    try:
+        if isinstance(t, bool):
+            raise TypeError
+        return operator.index(t)
+    except TypeError:
+        raise InvalidRequestError(f"token ids must be integers, got {type(t).__name__} {t!r}") from None
+
+
+def plain_prompt(p: Any) -> Any:
+    """A prompt as ``prompt_ids`` reads it: text or ids; vLLM's prompt dicts are unwrapped (ids
+    first when both are given), and a dict with anything else is refused by name."""
+    if not isinstance(p, dict):
+        return p
+    extra = sorted(set(p) - {"prompt", "prompt_token_ids"})
+    if extra:
+        raise InvalidRequestError(
+            f"prompt dict keys {extra} are not supported (only prompt, prompt_token_ids)"
+        )
+    if "prompt_token_ids" in p:
+        return p["prompt_token_ids"]
+    if "prompt" in p:
+        return p["prompt"]
+    raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
 
 
 def _token_text(value: Any) -> str | None:

@@ -153,6 +153,19 @@ def test_bad_requests_are_rejected_and_others_keep_running(models: dict[str, Pat
         eng.add_request("empty", [], None)
     with pytest.raises(InvalidRequestError, match=r"token id 96 out of range \[0, 96\)"):
         eng.add_request("vocab", [5, 96], None)
+    # ids that are not integers are refused, never truncated or read as numbers
+    for bad_prompt, why in [([1.9, 2.7], "integers, got float"), ([True], "got bool"), (b"hi", "got bytes")]:
+        with pytest.raises(InvalidRequestError, match=why):
+            eng.add_request("ids", bad_prompt, None)  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequestError, match=why):
+            eng.generate([bad_prompt], GREEDY)  # type: ignore[list-item]
+    with pytest.raises(InvalidRequestError, match="got NoneType"):
+        eng.add_request("none", None, None)  # type: ignore[arg-type]
+    # vLLM's prompt dicts, as generate() takes them; numpy's integers are ids too
+    eng.add_request("dict", {"prompt_token_ids": np.array([3, 4, 5])}, SamplingParams(max_tokens=2))  # type: ignore[arg-type]
+    assert eng.abort_request("dict")
+    with pytest.raises(InvalidRequestError, match="not supported"):
+        eng.add_request("dict", {"prompt": "x", "image": 1}, None)  # type: ignore[arg-type]
     bad_values = [{"temperature": -1}, {"max_tokens": 0}, {"top_p": 0.0}, {"top_k": -2}]
     for bad in [*bad_values, {"min_p": 2}, {"n": 0}]:
         with pytest.raises(ValueError, match=next(iter(bad))):

@@ -60,6 +60,9 @@ HERMES = (
         # the model ended (EOS) without closing the tag
         ('<tool_call>{"name": "ping", "arguments": {}}', "auto", "hermes", None, [("ping", {})]),
         ("<tool_call>{not json}</tool_call>", "auto", "hermes", "<tool_call>{not json}</tool_call>", []),
+        # whitespace before the call is content, as streamed (vLLM's hermes parser keeps it too)
+        (' \n<tool_call>{"name": "ping", "arguments": {}}</tool_call>', "auto", "hermes", " \n",
+         [("ping", {})]),
         ("plain answer", "auto", "hermes", "plain answer", []),
         (HERMES, "none", "hermes", HERMES, []),
         ('<|python_tag|>{"name": "ping", "parameters": {}}; {"name": "get_weather", "parameters": '

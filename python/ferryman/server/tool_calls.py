@@ -86,7 +86,7 @@ def parse(text: str, choice: ToolChoice, parser: Parser) -> tuple[str | None, li
             return text, []
         calls.append(c)
     content = text[:start]  # as streamed: the text before the first call, untouched
-    return (content if content.strip() else None), calls
+    return (content or None), calls  # vLLM's: whitespace before a call is content too
 
 
 class Streamer:

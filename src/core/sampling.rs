@@ -257,8 +257,9 @@ fn race(weights: &[f32], id: impl Fn(usize) -> u32, p: &RowParams) -> Option<u32
     let min_p = if p.min_p > 0.0 { p.min_p.min(1.0) } else { 0.0 };
     let mut race = Race {
         sum,
-        // q = w / sum rounded in float32 is at most w × this (float64), by far less than the
-        // margin the bound test keeps
+        // q = w / sum rounded in float32 is at most w × this (float64) wherever q is a normal
+        // float, by far less than the margin the bound test keeps; a subnormal q (under 1.2e-38)
+        // may exceed the bound and its token be skipped, a token that never beats the weight-1 one
         above_q: (1.0 / f64::from(sum)) * (1.0 + 1e-6),
         floor: min_p * (1.0 / sum),
         best: 0.0,
@@ -272,7 +273,10 @@ fn race(weights: &[f32], id: impl Fn(usize) -> u32, p: &RowParams) -> Option<u32
 
 /// The sum of `weights` in float64, rounded to float32: eight running sums the compiler keeps
 /// in vector registers (one running sum waited on each addition's latency), added up in a
-/// fixed order, so a row's sum never depends on anything but the row.
+/// fixed order, so a row's sum never depends on anything but the row. Its float64 value may
+/// differ from one running sum's by about n × 2⁻⁵³ relative, so the float32 result differs
+/// only where the exact sum lies that close to a float32 rounding midpoint (then either is
+/// within rounding of it).
 fn sum_weights(weights: &[f32]) -> f32 {
     let mut acc = [0f64; 8];
     let chunks = weights.chunks_exact(8);
@@ -294,7 +298,7 @@ fn sum_weights(weights: &[f32]) -> f32 {
 #[derive(Debug)]
 struct Race {
     sum: f32,
-    /// At least 1 / sum, so that q <= w × `above_q`.
+    /// At least 1 / sum, so that q <= w × `above_q` for every normal float32 q.
     above_q: f64,
     /// min-p × the largest probability: a probability below it is zeroed (and cannot win, the
     /// largest one never being zeroed with min-p at most 1); 0 without min-p.

@@ -159,7 +159,12 @@ impl GrammarCompiler {
         }
         // some grammars compile yet cannot give a first mask (a `$ref` to itself, a rule that
         // only recurses): refused here, at admission, not as an empty answer later
-        matcher.compute_mask().map_err(|e| e.to_string())?;
+        matcher.compute_mask().map_err(|e| {
+            // the parser's message is its whole state; its first line names the cause
+            let cause = e.to_string();
+            let cause = cause.lines().next().unwrap_or_default();
+            format!("the grammar allows no output (a $ref to itself, or a rule that only recurses?): {cause}")
+        })?;
         Ok(Grammar { matcher, eos: self.eos })
     }
 }

@@ -7,6 +7,7 @@ mod py_outputs;
 mod py_request;
 mod py_sampling;
 mod py_scheduler;
+mod py_text;
 
 use pyo3::prelude::*;
 
@@ -24,6 +25,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<py_request::PyRequestParams>()?;
     m.add_class::<py_outputs::PySchedulerOutput>()?;
     m.add_class::<py_outputs::PyStepOutputs>()?;
+    m.add_class::<py_text::PyTokenBytes>()?;
     m.add_function(wrap_pyfunction!(py_sampling::sample_random_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(py_sampling::sample_cpu, m)?)?;
     py_errors::register(m)?;

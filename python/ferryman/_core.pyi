@@ -18,6 +18,7 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutput",
     "StepOutputs",
+    "TokenBytes",
     "__version__",
     "sample_cpu",
     "sample_random_cpu",
@@ -368,6 +369,17 @@ class Scheduler:
     def output_token_ids(self, req_id: int, seq_index: int = 0) -> npt.NDArray[np.int32] | None:
         """The output token ids so far of a live sequence, or None."""
     def block_table(self, req_id: int, seq_index: int = 0) -> list[int] | None: ...
+
+@final
+class TokenBytes:
+    """Token id -> the bytes that token adds to the text before UTF-8 decoding (OpenAI's logprob
+    ``bytes``): a byte-level token's raw bytes, a ``<0xNN>`` token's one byte, so a character
+    split over tokens joins up from theirs; the decoded text for a tokenizer without a per-token
+    table and for a special token; empty for an id outside the vocabulary. Immutable: any thread
+    may call it."""
+
+    def __new__(cls, tokenizer_json: str) -> TokenBytes: ...
+    def __call__(self, token_id: int) -> bytes: ...
 
 def sample_random_cpu(
     logits: npt.NDArray[np.float32],

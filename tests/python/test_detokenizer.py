@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from tiny_models import build, sentencepiece_tokenizer
 
-from ferryman._core import InvalidRequestError, RequestParams, Scheduler, SchedulerConfig
+from ferryman._core import InvalidRequestError, RequestParams, Scheduler, SchedulerConfig, TokenBytes
 from ferryman.engine import Engine
 from ferryman.sampling_params import SamplingParams
 
@@ -190,3 +190,20 @@ def test_streamed_outputs_add_up_to_the_final_one(model_dir: Path, kind: str) ->
     assert texts == [o.text for o in want.outputs]
     assert toks == [o.token_ids for o in want.outputs]
     assert reasons == [o.finish_reason for o in want.outputs]
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "sentencepiece"])
+def test_token_bytes_join_into_the_text(kind: str, request: pytest.FixtureRequest) -> None:
+    """``TokenBytes`` (OpenAI's logprob ``bytes``): a character split over byte tokens joins up
+    from their bytes, where each one's decoded text alone is "�"."""
+    tok = request.getfixturevalue(kind)
+    token_bytes = TokenBytes(tok.backend_tokenizer.to_str())
+    for text in ["héllo €", "日本語 ok", "a\nb", "😀!"]:
+        ids = tok.encode(text, add_special_tokens=False)
+        joined = b"".join(token_bytes(t) for t in ids)
+        assert joined.decode() in (text, " " + text)  # SentencePiece's "▁": the word's space
+    split = tok.encode("😀", add_special_tokens=False)  # the case it is for: each alone is "�"
+    assert sum("\ufffd" in tok.decode([t]) for t in split) >= 2
+    special = tok.convert_tokens_to_ids(tok.eos_token)
+    assert token_bytes(special) == tok.eos_token.encode()  # a special token: its text
+    assert token_bytes(10**6) == b""  # not in the vocabulary

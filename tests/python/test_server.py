@@ -182,6 +182,13 @@ def test_chat_plain_and_streamed(server: Server, offline: Engine) -> None:
     assert choice["message"] == {"role": "assistant", "content": want.outputs[0].text, "tool_calls": None}
     lp = choice["logprobs"]["content"]
     assert len(lp) == 12 and all(len(t["top_logprobs"]) == 2 and t["logprob"] <= 0 for t in lp)
+    # each token's own bytes: they join into the text where a character spans tokens (a byte-level
+    # tokenizer: every token is one byte), while the tokens' own texts there are "�"
+    tok = offline.tokenizer
+    specials = {tok.bos_token, tok.eos_token, tok.pad_token, tok.unk_token}
+    joined = b"".join(bytes(t["bytes"]) for t in lp if t["token"] not in specials)
+    assert joined.decode("utf-8", "replace") == want.outputs[0].text
+    assert all(len(t["bytes"]) == 1 for t in lp if t["token"] not in specials)
     req = {"messages": msgs, **GREEDY, "stream": True}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=req) as resp:
         events = sse(resp.iter_lines())

@@ -48,6 +48,7 @@ def add_chat_route(
     """``defaults``: the model's sampling defaults (generation_config.json)."""
     template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
     parser = tools.pick_parser(template if isinstance(template, str) else None)  # of calls in the text
+    token_bytes = responses.TokenBytesOf(tokenizer)  # logprobs' bytes
 
     @app.post("/v1/chat/completions", response_model=None, responses=generation(api.ChatCompletionResponse))
     async def chat(
@@ -61,6 +62,7 @@ def add_chat_route(
         created = int(time.time())  # one creation time for every chunk of a stream
         name = responses.token_namer(token_str, body.return_tokens_as_token_ids)
         want_lp, top_n = params.logprobs is not None, params.logprobs or 0
+        raw = token_bytes.get() if want_lp else None
         with_tools = bool(body.tools) and choice != "none"
         one_call = body.parallel_tool_calls is False  # at most one call, whatever the model wrote
         if body.stream:
@@ -72,7 +74,7 @@ def add_chat_route(
             def chunk_choice(_: int, d: Delta, __: Update) -> api.ChatChunkChoice | None:
                 role: Any = None if d.index in started else "assistant"
                 started.add(d.index)
-                lp = responses.chat_logprobs(d.token_ids, d.logprobs, name, top_n) if want_lp else None
+                lp = responses.chat_logprobs(d.token_ids, d.logprobs, name, top_n, raw) if want_lp else None
                 content: str | None = d.text
                 calls: list[tool_calls.Call] = []
                 if with_tools:
@@ -120,7 +122,9 @@ def add_chat_route(
                     api.ChatChoice(
                         index=k,
                         message=api.AssistantMessage(content=text, tool_calls=_calls(calls) or None),
-                        logprobs=responses.chat_logprobs(acc.toks.get(k, []), acc.lps.get(k), name, top_n)
+                        logprobs=responses.chat_logprobs(
+                            acc.toks.get(k, []), acc.lps.get(k), name, top_n, raw
+                        )
                         if want_lp
                         else None,
                         finish_reason=_reason(acc.reasons.get(k), calls, choice),

@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from ferryman._core import TokenBytes
 from ferryman.outputs import Logprob
 from ferryman.server import protocol as api
 from ferryman.server.async_engine import Delta, EngineDeadError, RequestFailedError, Update
@@ -179,26 +180,48 @@ def prompt_logprobs(
 
 
 def chat_logprobs(
-    toks: list[int], lps: list[dict[int, Logprob]] | None, token_str: Callable[[int], str], top_n: int
+    toks: list[int],
+    lps: list[dict[int, Logprob]] | None,
+    token_str: Callable[[int], str],
+    top_n: int,
+    token_bytes: Callable[[int], bytes] | None = None,
 ) -> api.ChatLogprobs | None:
+    """OpenAI's chat logprobs; ``bytes`` from ``token_bytes`` (a token's own bytes, which join up
+    where a character is split over tokens; vLLM sends the UTF-8 of its text, "�" there), else
+    the UTF-8 of the token's text."""
     if lps is None:
         return None
+    raw = token_bytes or (lambda t: token_str(t).encode())
     content = []
     for t, d in zip(toks, lps, strict=False):
-        s = token_str(t)
         top = sorted(d.items(), key=lambda kv: -kv[1])
         content.append(
             api.ChatTokenLogprob(
-                token=s,
+                token=token_str(t),
                 logprob=d[t],
-                bytes=list(s.encode()),
+                bytes=list(raw(t)),
                 top_logprobs=[
-                    api.TopLogprob(token=token_str(k), logprob=v, bytes=list(token_str(k).encode()))
-                    for k, v in top[:top_n]
+                    api.TopLogprob(token=token_str(k), logprob=v, bytes=list(raw(k))) for k, v in top[:top_n]
                 ],
             )
         )
     return api.ChatLogprobs(content=content)
+
+
+class TokenBytesOf:
+    """A tokenizer's ``TokenBytes``, built on the first call (a server that never returns chat
+    logprobs does not parse its tokenizer.json again); None without a fast tokenizer."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.table: TokenBytes | None = None
+
+    def get(self) -> Callable[[int], bytes] | None:
+        if self.backend is None:
+            return None
+        if self.table is None:
+            self.table = TokenBytes(self.backend.to_str())
+        return self.table
 
 
 async def sse_events(

@@ -32,7 +32,7 @@ use std::sync::Arc;
 
 use crate::error::{CoreError, CoreResult};
 use detokenize::Detok;
-use pieces::{Mode, Pieces};
+use pieces::{Kind, Mode, Pieces};
 use stop::Stops;
 
 /// A loaded tokenizer, cheap to clone and share between threads.
@@ -88,6 +88,18 @@ impl Tokenizer {
     /// `decode(ids, skip_special_tokens=True)`: the text all of a sequence's deltas add up to.
     pub fn decode(&self, ids: &[u32]) -> CoreResult<String> {
         self.inner.tk.decode(ids, true).map_err(|e| CoreError::Tokenizer(format!("decode failed: {e}")))
+    }
+
+    /// A token's own bytes, as OpenAI's logprobs report them: what it adds to the text before
+    /// UTF-8 decoding (a byte-level token's raw bytes, a `<0xNN>` token's byte), so the bytes of
+    /// a character split over tokens join up; its decoded text where the decoder has no per-token
+    /// table, and for a special token; nothing for an id the vocabulary does not have.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        match self.pieces().map(|p| p.get(id)) {
+            Some((Kind::Piece, b)) => b.to_vec(),
+            Some((Kind::Byte(b), _)) => vec![b],
+            _ => self.inner.tk.decode(&[id], false).map(String::into_bytes).unwrap_or_default(),
+        }
     }
 
     /// Which detokenization sequences of this tokenizer run.

@@ -1,0 +1,26 @@
+//! `TokenBytes`: each token's own bytes for Python (OpenAI's logprob `bytes`), from the core's
+//! per-token table of a tokenizer.json. Immutable, so any thread may call it.
+
+use ferryman_core::Tokenizer;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::py_errors::to_pyerr;
+
+/// Token id -> the bytes that token adds to the text before UTF-8 decoding.
+#[pyclass(name = "TokenBytes", module = "ferryman._core", frozen)]
+pub struct PyTokenBytes {
+    inner: Tokenizer,
+}
+
+#[pymethods]
+impl PyTokenBytes {
+    #[new]
+    fn new(tokenizer_json: &str) -> PyResult<Self> {
+        Ok(Self { inner: Tokenizer::from_bytes(tokenizer_json.as_bytes()).map_err(to_pyerr)? })
+    }
+
+    fn __call__<'py>(&self, py: Python<'py>, token_id: u32) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.inner.token_bytes(token_id))
+    }
+}

@@ -178,7 +178,7 @@ class Engine(FaultsMixin, OfflineMixin):
         (self._inflight.release if self._inflight is not None else self._free_ids).append(core_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._inflight is not None
+        return self.scheduler.has_unfinished_requests() or self._inflight is not None or bool(self._held)
 
     def stats(self) -> dict[str, Any]:
         """Cumulative counters and current gauges (events come with each ``StepResult``)."""

@@ -202,8 +202,10 @@ def test_a_refused_request_or_call_leaves_nothing_queued(models: dict[str, Path]
     eng.add_request("mine", PROMPTS[2], dataclasses.replace(GREEDY, output_kind="final_only"))
     longer = eng.generate(PROMPTS[:1], dataclasses.replace(GREEDY, max_tokens=40))  # outlives "mine"
     assert len(longer) == 1 and len(longer[0].outputs[0].token_ids) == 40
+    assert eng.has_unfinished_requests()  # "mine" is done, but its final output is still held
     mine = [o for o in eng.step().outputs if o.request_id == "mine"]
     assert len(mine) == 1 and mine[0].finished and len(mine[0].outputs[0].token_ids) == 12
+    assert not eng.has_unfinished_requests()
 
     real, calls = eng.step, []
 

@@ -98,6 +98,33 @@ def test_chat_keeps_the_conversation_and_reset_forgets_it(model_dir: Path) -> No
     assert out == f"> {first}\n> {second}\n> > {fresh}\n> "
 
 
+def test_stream_and_chat_cut_max_tokens_to_the_room_and_a_refused_turn_is_said(model_dir: Path) -> None:
+    """The tiny model's context is 256: --stream cuts --max-tokens 300 as plain generate does
+    (both refused it before), and chat's default 256 too; a turn that cannot fit is said, and the
+    conversation goes on."""
+    args = ["generate", "Hello", "--model", str(model_dir), "--max-tokens", "300", *KNOBS]
+    assert ferryman(*args, "--stream") == ferryman(*args)
+    long_turn = "x" * 400  # past the context whatever the template adds
+    p = subprocess.run(
+        [sys.executable, "-m", "ferryman", "chat", "--model", str(model_dir), "--max-tokens", "4", *KNOBS],
+        input=f"hi\n{long_turn}\nmore\n\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    assert "exceeds max_model_len" in p.stderr and "/reset starts over" in p.stderr
+    assert p.stdout.count("> ") == 4  # hi, the refused turn, more, and the empty line that quits
+    default = subprocess.run(
+        [sys.executable, "-m", "ferryman", "chat", "--model", str(model_dir), *KNOBS],
+        input="hi\n\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert default.returncode == 0 and "exceeds" not in default.stderr, default.stderr
+
+
 ENGINE_FLAGS = [
     "--model",
     "--dtype",

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ferryman._core import InvalidRequestError
 from ferryman.engine_args import EngineArgs, add_cli_args, from_cli
 from ferryman.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -133,15 +134,20 @@ def run_generate(a: argparse.Namespace) -> int:
 
 def stream(engine: Engine, prompt: str | list[int], params: SamplingParams) -> Iterator[str]:
     """Yields the text of one request as the engine steps (the core holds back a possible stop
-    string until it is decided)."""
-    rid = f"cli-{id(prompt)}"
-    engine.add_request(rid, prompt, dataclasses.replace(params, output_kind="delta"))
-    while engine.has_unfinished_requests():
-        for ro in engine.step().outputs:
-            if ro.outputs and ro.outputs[0].text:
-                yield ro.outputs[0].text
-            if ro.finished:
-                return
+    string until it is decided). As ``generate`` does, a ``max_tokens`` past ``max_model_len``
+    is cut to the room the prompt leaves; a request left unfinished (Ctrl-C) is aborted."""
+    _, ids = engine.tokenize(prompt)
+    params = dataclasses.replace(engine._fit(params, ids), output_kind="delta")
+    engine.add_request("cli", prompt, params, prompt_token_ids=ids)
+    try:
+        while engine.has_unfinished_requests():
+            for ro in engine.step().outputs:
+                if ro.outputs and ro.outputs[0].text:
+                    yield ro.outputs[0].text
+                if ro.finished:
+                    return
+    finally:
+        engine.abort_request("cli")  # False once it finished
 
 
 def run_chat(a: argparse.Namespace) -> int:
@@ -165,10 +171,15 @@ def run_chat(a: argparse.Namespace) -> int:
             continue
         history.append({"role": "user", "content": line})
         reply = []
-        for delta in stream(engine, engine.render_chat(history)[1], params):
-            reply.append(delta)
-            sys.stdout.write(delta)
-            sys.stdout.flush()
+        try:
+            for delta in stream(engine, engine.render_chat(history)[1], params):
+                reply.append(delta)
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+        except InvalidRequestError as e:  # this turn only (a conversation past max_model_len)
+            history.pop()
+            print(f"ferryman chat: {e} (/reset starts over)", file=sys.stderr)
+            continue
         sys.stdout.write("\n")
         history.append({"role": "assistant", "content": "".join(reply)})
     return 0

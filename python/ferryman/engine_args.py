@@ -45,6 +45,11 @@ def at_least(lo: float) -> _Check:
     return lambda v: None if v >= lo else f"must be >= {lo}"
 
 
+def _gib(v: float) -> str | None:
+    """A host memory size in GiB: finite, up to a PiB (inf and 1e30 overflowed the block count)."""
+    return None if 0 <= v <= 1 << 20 else "must be a size in GiB in [0, 1048576]"
+
+
 def in_unit_interval(v: float) -> str | None:
     return None if 0 < v <= 1 else "must be in (0, 1]"
 
@@ -80,7 +85,7 @@ class SchedulerArgs:
         check=at_least(1),
     )
     num_host_blocks: int | None = knob(None, "host KV blocks (default: from swap_space)", check=at_least(0))
-    swap_space: float = knob(4.0, "host memory for swapped KV, GiB", check=at_least(0))
+    swap_space: float = knob(4.0, "host memory for swapped KV, GiB", check=_gib)
     gpu_memory_utilization: float = knob(
         0.9, "share of the GPU's memory for weights, activations and KV", check=in_unit_interval
     )

@@ -115,6 +115,12 @@ def build_parts(args: EngineArgs) -> EngineParts:
     num_host_blocks = args.num_host_blocks
     if num_host_blocks is None:
         num_host_blocks = int(args.swap_space * (1 << 30)) // bpb
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if num_host_blocks * bpb > ram:  # the host pool is allocated now: say why, not torch's error
+        raise InvalidRequestError(
+            f"the host KV pool ({num_host_blocks} blocks, {num_host_blocks * bpb / (1 << 30):.1f} GiB: "
+            f"swap_space / num_host_blocks) exceeds this machine's memory ({ram / (1 << 30):.1f} GiB)"
+        )
     if n > 1:  # ranks 1..n-1 in worker processes; rank 0's runner sends them each plan
         sizing = KvSizing(budget, bpb, args.gpu_memory_utilization, args.max_num_seqs)
         spec = RankSpec(

@@ -20,6 +20,8 @@ from ferryman.sim import SimConfig
         ("max_num_seqs", 0, "max_num_seqs must be >= 1"),
         ("max_num_batched_tokens", 0, "max_num_batched_tokens must be >= 1"),
         ("num_host_blocks", -1, "num_host_blocks must be >= 0"),
+        ("swap_space", float("inf"), r"swap_space must be a size in GiB in \[0, 1048576\]"),  # a traceback
+        ("swap_space", 1e30, "swap_space must be a size in GiB"),
         ("gpu_memory_utilization", 1.5, r"gpu_memory_utilization must be in \(0, 1\]"),
         ("preemption_mode", "never", r"preemption_mode must be one of \['recompute', 'swap', 'auto'\]"),
         ("device", "tpu", "device must be 'auto', 'cpu' or 'cuda"),

@@ -210,6 +210,13 @@ def test_bench_throughput_does_not_take_engine_only_flags(capsys: pytest.Capture
     assert "unrecognized arguments: --enforce-eager" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("port", ["70000", "-5"])
+def test_serve_refuses_a_port_out_of_range(port: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:  # 70000 listened on 4464 while saying 70000
+        main(["serve", "--port", port])
+    assert e.value.code == 2 and f"must be in [0, 65535], got {port}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("flags", "said"),
     [

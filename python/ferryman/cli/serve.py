@@ -10,12 +10,20 @@ from typing import Any
 from ferryman.engine_args import EngineArgs, add_cli_args, from_cli
 
 
+def _port(text: str) -> int:
+    """A TCP port; 0 asks the OS for a free one (70000 listened on 70000 - 65536 while saying 70000)."""
+    n = int(text)
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {n}")
+    return n
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_cli_args(p.add_argument_group("engine"), EngineArgs)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    s.add_argument("--port", type=_port, default=8000, help="port to listen on (default: 8000)")
     s.add_argument("--served-model-name", default=None, help="the name clients ask for (default: --model)")
     s.add_argument("--max-waiting", type=int, default=None, help="answer 503 once this many requests wait")
     s.add_argument("--trace", default=None, help="write one JSON line per step and preemption to this file")

@@ -277,6 +277,21 @@ def test_bad_files_and_values_are_said_without_a_traceback(
     assert "lengths are >= 1" in capsys.readouterr().err
     assert main([*sim, "--shape-set", "num_layers=0"]) == 2
     assert "num_layers must be > 0" in capsys.readouterr().err
+    assert main([*sim, "--shape-set", "num_layers=abc"]) == 2  # a TypeError traceback before
+    assert "ModelShape.num_layers must be an integer, got 'abc'" in capsys.readouterr().err
+    config = tmp_path / "config.json"
+    for text, said in (
+        ('{"hidden_size": 64}', "is not a model's config.json: no 'num_attention_heads'"),
+        ("[1, 2]", "is not a model's config.json"),
+        (
+            '{"num_attention_heads": 0, "hidden_size": 64, "num_hidden_layers": 2, '
+            '"intermediate_size": 8, "vocab_size": 9}',
+            "ModelShape.num_heads must be > 0, got 0",
+        ),
+    ):
+        config.write_text(text)
+        assert main(["sim", "--num-requests", "5", "--model-shape", str(config)]) == 2
+        assert said in capsys.readouterr().err
     for flags, said in (
         (["--rate", "nan"], "rate must be > 0 (or inf), got nan"),  # before: a loop that never ended
         (["--shared-prefix", "-5"], "shared_prefix must be >= 0"),

@@ -107,12 +107,29 @@ def _override(obj: Any, overrides: dict[str, Any]) -> Any:
     bad = sorted(set(overrides) - known)
     if bad:
         raise ValueError(f"unknown field(s) {bad} for {type(obj).__name__}; known: {sorted(known)}")
+    wrong = next((k for k, v in overrides.items() if not _fits(getattr(obj, k), v)), None)
+    if wrong is not None:
+        kinds = {bool: "true or false", int: "an integer", float: "a number", str: "text"}
+        want = kinds.get(type(getattr(obj, wrong)), type(getattr(obj, wrong)).__name__)
+        raise ValueError(f"{type(obj).__name__}.{wrong} must be {want}, got {overrides[wrong]!r}")
     # sizes and rates are positive (a zero one divides the cost model by zero)
     sizes = {k: v for k, v in overrides.items() if isinstance(v, int | float) and not isinstance(v, bool)}
     zero = next((k for k, v in sizes.items() if not v > 0), None)
     if zero is not None:
         raise ValueError(f"{type(obj).__name__}.{zero} must be > 0, got {overrides[zero]}")
     return replace(obj, **overrides)
+
+
+def _fits(current: Any, value: Any) -> bool:
+    """Whether ``value`` may replace a field holding ``current`` (an int where an int is, a
+    number where a float is, never a bool for a number or text for either)."""
+    if isinstance(current, bool) or isinstance(value, bool):
+        return type(value) is type(current)
+    if isinstance(current, int):
+        return isinstance(value, int)
+    if isinstance(current, float):
+        return isinstance(value, int | float)
+    return isinstance(value, type(current))
 
 
 def gpu(name: str, **overrides: Any) -> GpuSpec:
@@ -136,19 +153,29 @@ def model_shape(name: str, **overrides: Any) -> ModelShape:
         raise ValueError(
             f"unknown model shape {name!r}: not a preset ({sorted(MODEL_SHAPES)}) nor a config.json"
         )
-    cfg = json.loads(path.read_text())
-    heads = int(cfg["num_attention_heads"])
-    hidden = int(cfg["hidden_size"])
-    shape = ModelShape(
-        name=str(cfg.get("_name_or_path") or path.parent.name),
-        num_layers=int(cfg["num_hidden_layers"]),
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
-        intermediate_size=int(cfg["intermediate_size"]),
-        vocab_size=int(cfg["vocab_size"]),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    try:
+        cfg = json.loads(path.read_text())
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        shape = ModelShape(
+            name=str(cfg.get("_name_or_path") or path.parent.name),
+            num_layers=int(cfg["num_hidden_layers"]),
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or (hidden // heads if heads > 0 else 0)),
+            intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # a traceback before
+        what = f"no {e}" if isinstance(e, KeyError) else str(e)
+        raise ValueError(f"{path} is not a model's config.json: {what}") from None
+    small = next(
+        (f.name for f in fields(shape) if type(getattr(shape, f.name)) is int and getattr(shape, f.name) < 1),
+        None,
     )
+    if small is not None:
+        raise ValueError(f"{path}: ModelShape.{small} must be > 0, got {getattr(shape, small)}")
     result: ModelShape = _override(shape, overrides)
     return result

@@ -26,9 +26,9 @@ def plot_trace(trace: str | Path, out: str | Path) -> str:
         *("num_scheduled_tokens", "num_prefill_tokens", "token_budget", "preemptions"),
         *("num_running", "num_waiting", "num_swapped"),
     ]
-    broken = next(((i, k) for i, r in enumerate(steps) for k in need if k not in r), None)
+    broken = next(((i, why) for i, r in enumerate(steps) if (why := _fault(r, need))), None)
     if broken is not None:
-        raise ValueError(f"{trace}: step record {broken[0]} has no {broken[1]!r}: not a ferryman trace")
+        raise ValueError(f"{trace}: step record {broken[0]} {broken[1]}: not a ferryman trace")
     x = [r["step"] for r in steps]
 
     def pct(num: str, den: str, free: bool = False) -> list[float]:
@@ -75,6 +75,25 @@ def plot_trace(trace: str | Path, out: str | Path) -> str:
     queues.set_xlabel("step")
     queues.legend(loc="upper right", fontsize="small")
     fig.suptitle(f"ferryman step trace: {Path(trace).name} ({len(steps)} steps)")
+    out = Path(out)
+    if not out.suffix:  # matplotlib writes a PNG and adds ".png": say the name it writes
+        out = out.with_name(out.name + ".png")
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return str(out)
+
+
+def _fault(r: dict[str, Any], need: list[str]) -> str | None:
+    """What makes step record ``r`` unplottable (a key missing, a count that is not a number,
+    preemptions that are not events with a mode), or None."""
+    missing = next((k for k in need if k not in r), None)
+    if missing is not None:
+        return f"has no {missing!r}"
+    counts = (k for k in need if k != "preemptions")
+    wrong = next((k for k in counts if isinstance(r[k], bool) or not isinstance(r[k], int | float)), None)
+    if wrong is not None:
+        return f"has {wrong!r} = {r[wrong]!r}, not a number"
+    p = r["preemptions"]
+    if not isinstance(p, list) or not all(isinstance(e, dict) and isinstance(e.get("mode"), str) for e in p):
+        return "has 'preemptions' that are not a list of events with a mode"
+    return None

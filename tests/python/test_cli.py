@@ -3,6 +3,7 @@ tokenizer: ``generate`` with and without ``--stream``, interactive ``chat``, and
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -256,11 +257,24 @@ def test_bad_files_and_values_are_said_without_a_traceback(
 ) -> None:
     assert main(["plot", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "x.png")]) == 1
     assert "No such file" in capsys.readouterr().err
-    for line, said in (('{"type": "step"}', "has no 'step'"), ("[1, 2]", "a trace line is a JSON object")):
+    step = {"type": "step", "step": 0, "num_free_device_blocks": 5, "num_device_blocks": 10}
+    step |= {"num_free_host_blocks": 0, "num_host_blocks": 0, "num_scheduled_tokens": 3, "token_budget": 8}
+    step |= {"num_prefill_tokens": 0, "preemptions": [], "num_running": 1, "num_waiting": 0, "num_swapped": 0}
+    for line, said in (
+        ('{"type": "step"}', "has no 'step'"),
+        ("[1, 2]", "a trace line is a JSON object"),
+        # fields of the wrong type (TypeError tracebacks before)
+        (json.dumps(step | {"num_device_blocks": "10"}), "has 'num_device_blocks' = '10', not a number"),
+        (json.dumps(step | {"preemptions": None}), "'preemptions' that are not a list of events"),
+        (json.dumps(step | {"preemptions": [1]}), "'preemptions' that are not a list of events"),
+    ):
         trace = tmp_path / "t.jsonl"
         trace.write_text(line + "\n")
         assert main(["plot", str(trace), "-o", str(tmp_path / "x.png")]) == 2
         assert said in capsys.readouterr().err
+    trace.write_text(json.dumps(step) + "\n")
+    assert main(["plot", str(trace), "-o", str(tmp_path / "noext")]) == 0  # matplotlib adds .png
+    assert str(tmp_path / "noext.png") in capsys.readouterr().out and (tmp_path / "noext.png").exists()
     sim = ["sim", "--num-requests", "5", "--model-shape", "smollm2-135m"]
     trace = tmp_path / "refused.jsonl"
     assert main([*sim, "--gpu-memory-utilization", "1e-9", "--trace", str(trace)]) == 2

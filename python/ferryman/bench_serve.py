@@ -74,8 +74,14 @@ def workload(a: argparse.Namespace) -> list[tuple[Any, int]]:
             r = rows[i % len(rows)]
             if isinstance(r, str):
                 out.append((r, rng.randint(olo, ohi)))
-            else:
-                out.append((r["prompt"], int(r.get("max_tokens") or rng.randint(olo, ohi))))
+            elif isinstance(r, dict) and isinstance(r.get("prompt"), str | list):
+                mt = r.get("max_tokens")
+                if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 1):
+                    raise ValueError(f"{a.dataset}: row {i % len(rows)}: max_tokens must be an integer >= 1")
+                out.append((r["prompt"], mt or rng.randint(olo, ohi)))
+            else:  # a KeyError / TypeError traceback before
+                each = 'each is a prompt string or {"prompt": ...}'
+                raise ValueError(f"{a.dataset}: row {i % len(rows)} is {r!r:.60}; {each}")
         return out
     (tlo, thi), (ilo, ihi) = _span("--token-range", a.token_range, 0), _span("--input-len", a.input_len)
     return [

@@ -275,6 +275,11 @@ def test_bad_files_and_values_are_said_without_a_traceback(
     trace.write_text(json.dumps(step) + "\n")
     assert main(["plot", str(trace), "-o", str(tmp_path / "noext")]) == 0  # matplotlib adds .png
     assert str(tmp_path / "noext.png") in capsys.readouterr().out and (tmp_path / "noext.png").exists()
+    dataset = tmp_path / "d.json"
+    for rows, said in (('[{"text": "hi"}]', "row 0 is {'text': 'hi'}"), ("[1]", "row 0 is 1")):
+        dataset.write_text(rows)  # read before any request: no server needed
+        assert main(["bench", "serve", "--dataset", str(dataset), "--base-url", "http://127.0.0.1:9"]) == 2
+        assert said in capsys.readouterr().err
     sim = ["sim", "--num-requests", "5", "--model-shape", "smollm2-135m"]
     trace = tmp_path / "refused.jsonl"
     assert main([*sim, "--gpu-memory-utilization", "1e-9", "--trace", str(trace)]) == 2

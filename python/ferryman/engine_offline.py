@@ -88,6 +88,10 @@ class OfflineMixin:
         params = list(sp) if isinstance(sp, Sequence) else [sp] * n
         if len(params) != n:
             raise ValueError(f"{n} {what} but {len(params)} sampling parameter sets")
+        bad = next((i for i, p in enumerate(params) if not isinstance(p, SamplingParams)), None)
+        if bad is not None:
+            got = type(params[bad]).__name__
+            raise InvalidRequestError(f"sampling_params must be SamplingParams, got {got}")
         return params
 
     def _run(
@@ -102,9 +106,8 @@ class OfflineMixin:
         added: list[str] = []
         try:
             for rid, p, tids, sp in zip(ids, plist, token_ids, params, strict=True):
-                tids = self.tokenize(p, tids)[1] if isinstance(p, str) else tids
-                final_only = dataclasses.replace(sp, output_kind="final_only")
-                final_only = self._fit(final_only, tids if tids is not None else cast(Sequence[int], p))
+                tids = self.tokenize(p, tids)[1]  # checked here: _fit reads them
+                final_only = self._fit(dataclasses.replace(sp, output_kind="final_only"), tids)
                 self.add_request(rid, p, final_only, prompt_token_ids=tids)
                 added.append(rid)
         except BaseException:
@@ -115,7 +118,9 @@ class OfflineMixin:
         wanted = set(ids)
         bar = _progress(len(plist)) if use_tqdm else None
         try:
-            while len(final) < len(ids) and self.has_unfinished_requests():
+            # not has_unfinished_requests(): outputs held for others must not keep this loop going
+            busy = self.scheduler.has_unfinished_requests
+            while len(final) < len(ids) and (busy() or self._inflight is not None):
                 for ro in self.step().outputs:
                     if ro.request_id not in wanted:
                         self._held.append(ro)  # another caller's: handed out by the next step()

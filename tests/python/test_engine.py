@@ -163,6 +163,11 @@ def test_bad_requests_are_rejected_and_others_keep_running(models: dict[str, Pat
             eng.generate([bad_prompt], GREEDY)  # type: ignore[list-item]
     with pytest.raises(InvalidRequestError, match="got NoneType"):
         eng.add_request("none", None, None)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="got NoneType"):  # TypeErrors before
+        eng.generate([None], GREEDY)  # type: ignore[list-item]
+    with pytest.raises(InvalidRequestError, match="sampling_params must be SamplingParams, got NoneType"):
+        eng.generate([[1], [2]], [GREEDY, None])  # type: ignore[list-item]
+    assert not eng.has_unfinished_requests()
     # vLLM's prompt dicts, as generate() takes them; numpy's integers are ids too
     eng.add_request("dict", {"prompt_token_ids": np.array([3, 4, 5])}, SamplingParams(max_tokens=2))  # type: ignore[arg-type]
     assert eng.abort_request("dict")

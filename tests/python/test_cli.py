@@ -280,6 +280,9 @@ def test_bad_files_and_values_are_said_without_a_traceback(
         dataset.write_text(rows)  # read before any request: no server needed
         assert main(["bench", "serve", "--dataset", str(dataset), "--base-url", "http://127.0.0.1:9"]) == 2
         assert said in capsys.readouterr().err
+    bench = ["bench", "throughput", "--model", "no/such", "--no-hf", "--num-device-blocks", "0"]
+    assert main(bench) == 2  # 0 was taken as "the default" (every request fits)
+    assert "num_device_blocks must be >= 1, got 0" in capsys.readouterr().err
     sim = ["sim", "--num-requests", "5", "--model-shape", "smollm2-135m"]
     trace = tmp_path / "refused.jsonl"
     assert main([*sim, "--gpu-memory-utilization", "1e-9", "--trace", str(trace)]) == 2

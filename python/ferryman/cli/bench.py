@@ -116,7 +116,7 @@ def run_throughput(a: argparse.Namespace) -> int:
         "input_len": a.input_len,
         "output_len": a.output_len,
     }
-    blocks = a.num_device_blocks or demand
+    blocks = demand if a.num_device_blocks is None else a.num_device_blocks  # 0: refused by the engine
     longest = max(bench.request_blocks(work))  # a tight pool still fits each request
     vs_ample: list[float] = []
     vs_hf: list[float] = []

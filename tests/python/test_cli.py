@@ -327,6 +327,15 @@ def test_bad_files_and_values_are_said_without_a_traceback(
     work.write_text('[{"arrival_s": -3, "prompt_len": 4, "output_len": 2}]')
     assert main(["sim", "--workload", str(work)]) == 2
     assert "arrival_s must be a finite number of seconds >= 0" in capsys.readouterr().err
+    for rows, said in (  # an OverflowError traceback, a silent truncation, a wrong message before
+        ('[{"prompt_tokens": [99999999999], "output_len": 2}]', "prompt_tokens are not token ids"),
+        ('[{"prompt_tokens": [1.5, 2], "output_len": 2}]', "prompt_tokens are not token ids"),
+        ('[{"prompt_len": 4, "output_len": 2.5}]', "2.5 is not a whole number"),
+        ('[{"prompt_len": 4, "output_len": 1e12}]', "together at most 2**31"),
+    ):
+        work.write_text(rows)
+        assert main(["sim", "--workload", str(work)]) == 2
+        assert said in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main([*sim, "--arrival", "burst", "--burst-size", "0"])
     assert e.value.code == 2 and "must be >= 1" in capsys.readouterr().err

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -102,20 +103,34 @@ def synthetic(
     return Workload(t, p + shared_prefix, o, _prompts(p, rng, vocab, shared_prefix), prio)
 
 
+def _count(v: Any) -> int:
+    """A length from JSON: an integer (10.0 too), never a truncated 2.5 or a bool."""
+    if isinstance(v, bool) or not isinstance(v, int | float) or not float(v).is_integer():
+        raise TypeError(f"{v!r} is not a whole number")
+    return int(v)
+
+
+def _token_ids(v: Any) -> bool:
+    return isinstance(v, list) and all(type(t) is int and 0 <= t < 1 << 31 for t in v)
+
+
 def from_json(path: str | Path, *, vocab: int = 32000, seed: int = 0) -> Workload:
     rows = json.loads(Path(path).read_text())
     if not isinstance(rows, list) or not rows:
         raise ValueError(f"{path}: expected a non-empty JSON list of requests")
     try:
         t = np.array([float(r.get("arrival_s", 0.0)) for r in rows])
-        p = np.array([int(r.get("prompt_len") or len(r["prompt_tokens"])) for r in rows], dtype=np.int64)
-        o = np.array([int(r["output_len"]) for r in rows], dtype=np.int64)
+        p = np.array([_count(r.get("prompt_len") or len(r["prompt_tokens"])) for r in rows], dtype=np.int64)
+        o = np.array([_count(r["output_len"]) for r in rows], dtype=np.int64)
     except (KeyError, TypeError, AttributeError) as e:
         raise ValueError(
             f"{path}: each request needs prompt_len (or prompt_tokens) and output_len ({e})"
         ) from None
-    if (p < 1).any() or (o < 1).any():
-        raise ValueError(f"{path}: prompt_len and output_len must be >= 1")
+    if (p < 1).any() or (o < 1).any() or (p + o > 1 << 31).any():
+        raise ValueError(f"{path}: prompt_len and output_len must be >= 1, together at most 2**31")
+    bad = next((i for i, r in enumerate(rows) if not _token_ids(r.get("prompt_tokens", []))), None)
+    if bad is not None:
+        raise ValueError(f"{path}: request {bad}'s prompt_tokens are not token ids (integers in [0, 2**31))")
     if not (np.isfinite(t) & (t >= 0)).all():
         raise ValueError(f"{path}: arrival_s must be a finite number of seconds >= 0")
     order = np.argsort(t, kind="stable")

@@ -75,12 +75,16 @@ def plot_trace(trace: str | Path, out: str | Path) -> str:
     queues.set_xlabel("step")
     queues.legend(loc="upper right", fontsize="small")
     fig.suptitle(f"ferryman step trace: {Path(trace).name} ({len(steps)} steps)")
-    out = Path(out)
-    if not out.suffix:  # matplotlib writes a PNG and adds ".png": say the name it writes
-        out = out.with_name(out.name + ".png")
+    out = png_name(out)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return str(out)
+
+
+def png_name(out: str | Path) -> Path:
+    """The file matplotlib writes for ``out``: a name without a suffix gets ".png" (said as it is)."""
+    out = Path(out)
+    return out if out.suffix else out.with_name(out.name + ".png")
 
 
 def _fault(r: dict[str, Any], need: list[str]) -> str | None:

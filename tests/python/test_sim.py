@@ -141,6 +141,8 @@ def test_cli_sim_sweep_and_trace(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert main([*common, "--sweep", "preemption_mode=recompute,swap,auto", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     assert out.count("\n| ") == 4 and "| swap |" in out and png.read_bytes()[:4] == b"\x89PNG"
+    assert main([*common, "--sweep", "preemption_mode=recompute,swap", "--plot", str(tmp_path / "bare")]) == 0
+    assert str(tmp_path / "bare.png") in capsys.readouterr().out  # the file matplotlib writes
     assert main([*common, "--sweep", "colour=red"]) == 2  # an error line, not a traceback
     assert "KNOB" in capsys.readouterr().err
 

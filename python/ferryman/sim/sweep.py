@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ferryman.engine_args import value_type
+from ferryman.plot import png_name
 from ferryman.sim.presets import GpuSpec, ModelShape
 from ferryman.sim.simulator import SimConfig, simulate
 from ferryman.sim.workload import Workload
@@ -80,6 +81,7 @@ def plot(rows: list[dict[str, Any]], knob: str, out: str | Path, title: str = ""
     b.set_xlabel(knob)
     b.legend()
     fig.suptitle(title or f"ferryman sim: sweep of {knob}")
+    out = png_name(out)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return str(out)

@@ -115,7 +115,7 @@ def load_model(
     if path.is_file() and path.suffix == ".gguf":
         try:
             return load_gguf(path, dtype, device, tp)
-        except (KeyError, ValueError) as e:
+        except (KeyError, ValueError, TypeError, IndexError, ZeroDivisionError) as e:  # odd metadata
             raise ModelLoadError(f"{path}: not a GGUF model ferryman can load: {e}") from e
     if path.is_dir():
         return load_hf_folder(path, dtype, device, tp)
@@ -154,7 +154,7 @@ def read_config(root: Path) -> ModelConfig:
         raise ModelLoadError(f"{root}: expected a Hugging Face model folder with config.json")
     try:
         return ModelConfig.from_hf(json.loads(cfg_path.read_text()))
-    except (KeyError, ValueError) as e:
+    except (KeyError, ValueError, TypeError, ZeroDivisionError) as e:  # a null or zero field too
         raise ModelLoadError(f"{root}: a config ferryman cannot load: {e}") from e
 
 

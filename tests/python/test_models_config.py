@@ -113,6 +113,68 @@ def test_an_unsupported_rope_scaling_is_refused_by_name(tmp_path: Path) -> None:
         load_model(path, torch.float32, CPU)
 
 
+def patch_config(path: Path, **fields: Any) -> None:
+    """Sets (or, with None, deletes) top-level fields of a folder's config.json."""
+    cfg = json.loads((path / "config.json").read_text())
+    for k, v in fields.items():
+        cfg.pop(k, None) if v is None else cfg.__setitem__(k, v)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize(
+    ("fields", "said"),
+    [
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        ({"mlp_bias": True}, "mlp_bias is not supported"),
+        ({"attention_bias": True}, "attention_bias .* is not supported for LlamaForCausalLM"),
+        ({"rope_scaling": {"rope_type": "linear"}}, "rope_scaling type 'linear' needs factor"),
+        ({"vocab_size": None, "architectures": None, "model_type": "gpt2"}, "of model_type 'gpt2'"),
+        ({"vocab_size": "x"}, "a config ferryman cannot load"),
+    ],
+)
+def test_what_the_model_does_not_compute_is_refused_not_dropped(
+    tmp_path: Path, fields: dict[str, Any], said: str
+) -> None:
+    """Each loaded before, and gave other tokens than transformers (or a raw traceback)."""
+    path = build("llama", tmp_path)
+    patch_config(path, **fields)
+    with pytest.raises(ModelLoadError, match=said):
+        load_model(path, torch.float32, CPU)
+
+
+def test_checkpoint_tensors_without_a_place_are_refused(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = build("llama", tmp_path)
+    weights = load_file(path / "model.safetensors")
+    weights["model.layers.0.self_attn.o_proj.bias"] = torch.ones(weights["model.norm.weight"].shape)
+    save_file(weights, path / "model.safetensors")
+    with pytest.raises(
+        ValueError, match=r"tensors this model does not use, e\.g\. \['layers\.0\.o_proj\.bias'\]"
+    ):
+        load_model(path, torch.float32, CPU)
+
+
+def test_a_config_without_architectures_goes_by_model_type_and_yarn_by_its_default_context(
+    tmp_path: Path,
+) -> None:
+    """transformers' rules: a qwen3 config without ``architectures`` is Qwen3 (read as Llama it
+    lost its q/k norms); YaRN without ``original_max_position_embeddings`` takes the config's
+    context (a KeyError before)."""
+    qwen3 = build("qwen3", tmp_path / "q")
+    patch_config(qwen3, architectures=None)
+    llama = build("llama", tmp_path / "l", rope_scaling={"rope_type": "yarn", "factor": 4.0})  # type: ignore[arg-type]
+    cfg = json.loads((llama / "config.json").read_text())
+    for key in ("rope_scaling", "rope_parameters"):
+        if isinstance(cfg.get(key), dict):
+            cfg[key].pop("original_max_position_embeddings", None)
+    (llama / "config.json").write_text(json.dumps(cfg))
+    for path in (qwen3, llama):
+        model, _ = load_model(path, torch.float32, CPU)
+        ids = long_ids(model.cfg.vocab_size, 64)
+        torch.testing.assert_close(ours(model, ids), theirs(path, ids), rtol=1e-4, atol=1e-4)
+
+
 GGUF_TOP_LEVEL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
 
 

@@ -9,8 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ferryman.models.rope import check_rope_scaling
+from ferryman.models.rope import check_rope_scaling, rope_type
 
+_ARCH_OF_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -44,17 +50,32 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
-        archs = d.get("architectures") or ["LlamaForCausalLM"]
+        # no architectures: transformers goes by model_type (a qwen3 config read as Llama lost
+        # its q/k norms without a word)
+        archs = d.get("architectures") or [_ARCH_OF_TYPE.get(d.get("model_type") or "llama", "?")]
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
+            named = repr(arch) if arch != "?" else f"of model_type {d.get('model_type')!r}"
             raise ValueError(
-                f"unsupported architecture {arch!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+                f"unsupported architecture {named}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
+        # what the model below does not compute is refused, never dropped (other tokens than
+        # transformers'): another activation than SiLU, MLP biases, an o_proj bias
+        act = d.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {act!r} is not supported (SiLU only)")
+        if d.get("mlp_bias"):
+            raise ValueError("mlp_bias is not supported")
+        if d.get("attention_bias") and arch != "Qwen2ForCausalLM":
+            raise ValueError(f"attention_bias (q/k/v/o biases) is not supported for {arch}")
         heads = int(d["num_attention_heads"])
         rope = dict(d.get("rope_parameters") or {})  # transformers 5 style
         scaling = d.get("rope_scaling") or None
         if scaling is None and rope.get("rope_type", "default") != "default":
             scaling = rope
+        if scaling is not None and rope_type(scaling) in ("llama3", "yarn"):
+            # transformers' default: the original context is the config's
+            scaling = {"original_max_position_embeddings": d.get("max_position_embeddings", 4096), **scaling}
         theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
         check_rope_scaling(scaling)
         eos = d.get("eos_token_id")

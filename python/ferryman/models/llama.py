@@ -263,13 +263,19 @@ class LlamaForCausalLM(nn.Module):
         copied: a tensor shared with the caller stays shared); names every missing tensor."""
         own = self.state_dict()
         given = {our_name(name): t for name, t in tensors.items()}
-        # extra tensors (a tied model's lm_head, rotary buffers) are ignored
+        # extra tensors are refused below, but for a tied model's lm_head and rotary buffers
         if self.tp.world > 1 and not sliced:
             given = {n: shard_tensor(n, t, self.cfg, self.shard) for n, t in given.items()}
         sources = {key: [key] if key in given else _checkpoint_names(key) for key in own}
         missing = sorted(n for names in sources.values() for n in names if n not in given)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+        used = {n for names in sources.values() for n in names}
+        unused = sorted(n for n in given if n not in used and "rotary_emb" not in n and n != "lm_head.weight")
+        if unused:  # e.g. biases the model does not add: refused, not dropped (other tokens)
+            raise ValueError(
+                f"checkpoint has {len(unused)} tensors this model does not use, e.g. {unused[:5]}"
+            )
         mapped = {
             key: (given[names[0]] if len(names) == 1 else torch.cat([given[n] for n in names])).contiguous()
             for key, names in sources.items()

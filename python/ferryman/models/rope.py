@@ -32,6 +32,17 @@ def check_rope_scaling(scaling: dict[str, Any] | None) -> None:
         raise ValueError(
             f"rope_scaling type {kind!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
+    missing = [k for k in _REQUIRED.get(kind, ()) if (scaling or {}).get(k) is None]
+    if missing:  # a KeyError traceback from the model's constructor before
+        raise ValueError(f"rope_scaling type {kind!r} needs {', '.join(missing)}")
+
+
+# the keys each type reads (yarn's and llama3's original context defaults to the config's)
+_REQUIRED = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("original_max_position_embeddings",),
+}
 
 
 def rope_parameters(

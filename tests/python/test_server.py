@@ -373,6 +373,24 @@ def test_disconnects_mid_stream_abort_and_free_blocks_while_others_finish(
     assert generated < 16 * 120  # the hung-up requests stopped generating
 
 
+def test_finished_sequences_are_counted_alike_whether_they_end_or_are_dropped(server: Server) -> None:
+    """A request of n = 2 counts 2 in ``requests_finished`` whether its sequences reach their
+    length or its client hangs up (the hang-up counted 1 for the request)."""
+
+    def count(reason: str) -> float:
+        return server.metric(f'ferryman_requests_finished_total{{reason="{reason}"', missing=0.0)
+
+    body = {"prompt": [65, 66, 67], "max_tokens": 100, "n": 2, "ignore_eos": True, "seed": 1}
+    length, abort = count("length"), count("abort")
+    assert httpx.post(server.url + CMPL, json={**body, "max_tokens": 3}).status_code == 200
+    assert count("length") - length == 2
+    with httpx.stream("POST", server.url + CMPL, json={**body, "stream": True}) as resp:
+        next(line for line in resp.iter_lines() if line.startswith("data: {"))  # then hang up
+    server.wait_metric("ferryman_num_requests_running", 0)
+    server.wait_metric("ferryman_kv_device_blocks_free", 64)
+    assert count("abort") - abort == 2
+
+
 def test_bench_serve_against_the_server(server: Server) -> None:
     from ferryman import bench_serve
     from ferryman.cli import build_parser

@@ -240,10 +240,10 @@ class AsyncEngine:
                 finally:
                     with self._lock:
                         self._pending_adds -= 1
-            elif cmd[0] == "abort" and self._streams.pop(cmd[1], None) is not None:
+            elif cmd[0] == "abort" and (s := self._streams.pop(cmd[1], None)) is not None:
                 self.engine.abort_request(cmd[1])
-                if self.metrics is not None:
-                    self.metrics.requests_finished.labels(reason="abort").inc()
+                if self.metrics is not None:  # each sequence, as a finished request counts them
+                    self.metrics.on_finished(None, s.reasons, 0)
 
     def _step(self) -> None:
         started = time.perf_counter()

@@ -72,7 +72,10 @@ class Metrics:
         self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens of accepted requests", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "tokens generated", registry=r)
         self.requests_finished = Counter(
-            p + "requests_finished", "finished requests by reason", ["reason"], registry=r
+            p + "requests_finished",
+            "finished sequences by reason (each of a request's n; unfinished at a disconnect: abort)",
+            ["reason"],
+            registry=r,
         )
         self.ttft = Histogram(p + "time_to_first_token_seconds", "TTFT", buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram(
@@ -147,8 +150,8 @@ class Metrics:
         self.host_usage.set(1 - stats["num_free_host_blocks"] / max(1, cfg.num_host_blocks))
 
     def on_finished(self, m: RequestMetrics | None, reasons: list[str | None], num_tokens: int) -> None:
-        """A finished request: its metrics, each sequence's finish reason, and the output tokens
-        of its longest sequence."""
+        """A finished or aborted request: its metrics (None when aborted), each sequence's finish
+        reason (None: abort), counted one by one, and the output tokens of its longest sequence."""
         for r in reasons:
             self.requests_finished.labels(reason=r or "abort").inc()
         if m is None or m.finished_time is None:

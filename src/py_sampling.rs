@@ -36,6 +36,9 @@ pub fn sample_random_cpu<'py>(
         positions.as_slice()?,
     );
     let len = rows.len();
+    if vocab == 0 {
+        return Err(InvalidRequestError::new_err("logits have no columns")); // as sample_cpu says
+    }
     if [t.len(), k.len(), p.len(), m.len(), s.len(), pos.len()].iter().any(|&l| l != len) {
         return Err(InvalidRequestError::new_err("every parameter array needs one entry per row sampled"));
     }

@@ -20,7 +20,9 @@ impl PyTokenBytes {
         Ok(Self { inner: Tokenizer::from_bytes(tokenizer_json.as_bytes()).map_err(to_pyerr)? })
     }
 
-    fn __call__<'py>(&self, py: Python<'py>, token_id: u32) -> Bound<'py, PyBytes> {
-        PyBytes::new(py, &self.inner.token_bytes(token_id))
+    /// Empty for an id outside the vocabulary, negative or past u32 included.
+    fn __call__<'py>(&self, py: Python<'py>, token_id: i64) -> Bound<'py, PyBytes> {
+        let bytes = u32::try_from(token_id).map(|t| self.inner.token_bytes(t)).unwrap_or_default();
+        PyBytes::new(py, &bytes)
     }
 }

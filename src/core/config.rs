@@ -81,6 +81,9 @@ impl PreemptionMode {
     }
 }
 
+/// The most sequences a scheduler runs at once.
+pub const MAX_NUM_SEQS: usize = 1 << 20;
+
 /// Every knob of the scheduler. Build with `SchedulerConfig::default()` and field updates, then
 /// call `validate()` (the `Scheduler` constructor does).
 #[derive(Debug, Clone, PartialEq)]
@@ -165,8 +168,13 @@ impl SchedulerConfig {
         if self.max_num_seqs == 0 {
             return bad("max_num_seqs must be >= 1".into());
         }
+        if self.max_num_seqs > MAX_NUM_SEQS {
+            // the batch's rows are allocated up front and cross as int32 (2**40 aborted on memory)
+            return bad(format!("max_num_seqs must be at most {MAX_NUM_SEQS}, got {}", self.max_num_seqs));
+        }
         if self.max_model_len == 0 || self.max_model_len >= i32::MAX as usize {
-            return bad(format!("max_model_len must be >= 1, got {}", self.max_model_len));
+            let most = i32::MAX - 1;
+            return bad(format!("max_model_len must be in 1..={most}, got {}", self.max_model_len));
         }
         if !self.enable_chunked_prefill && self.max_num_batched_tokens < self.max_model_len {
             return bad(format!(

@@ -130,6 +130,11 @@ impl GrammarCompiler {
         let words = std::panic::catch_unwind(|| llguidance::token_bytes_from_tokenizer_json(&json))
             .map_err(|_| "the tokenizer's vocabulary could not be read".to_string())?
             .map_err(|e| format!("structured outputs need a byte-level or byte-fallback tokenizer: {e}"))?;
+        // an EOS id past the tokenizer sized every mask by it (2**31 - 1: a 48 GiB allocation)
+        let known = words.len().max(tok.hf().get_vocab_size(true));
+        if eos as usize >= known {
+            return Err(format!("the EOS token id {eos} is not in the tokenizer's {known} tokens"));
+        }
         let vocab_size = words.len().max(eos as usize + 1);
         let mut words = words;
         words.resize(vocab_size, Vec::new());

@@ -48,6 +48,8 @@ def test_config_defaults_are_the_contracts() -> None:
         ({"block_size": 24}, "power of two"),
         ({"num_device_blocks": 0}, "num_device_blocks"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_num_seqs": 2**40}, "max_num_seqs must be at most 1048576"),  # aborted on memory
+        ({"max_model_len": 2**40}, r"max_model_len must be in 1\.\.=2147483646"),
         ({"preemption_mode": "evict"}, "preemption_mode"),
         ({"policy": "lifo"}, "policy"),
         ({"watermark": 1.5}, "watermark"),
@@ -294,3 +296,27 @@ def test_num_generated_leaves_out_dropped_samples() -> None:
     res = s.update(np.ones(len(out.logits_indices), dtype=np.int32))
     assert (len(res), res.num_generated, res.num_first_tokens) == (2, 1, 1)  # a dropped row is no first
     assert res.num_output_tokens.tolist() == [1, 0]
+
+
+def test_the_binding_refuses_what_aborted_or_answered_nonsense() -> None:
+    """A grammar's EOS id past the tokenizer sized every mask by it (2**31 - 1 aborted the
+    process); sampling from no columns gave token 0; ``TokenBytes`` of a negative id overflowed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from ferryman._core import TokenBytes, sample_random_cpu
+
+    tok = Tokenizer(models.BPE({c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    s = make()
+    s.set_tokenizer(tok.to_str())
+    eos = RequestParams(3, eos_token_ids=[2**31 - 1], grammar_kind="regex", grammar="a+")
+    with pytest.raises(InvalidRequestError, match=r"EOS token id 2147483647 is not in the tokenizer's 256"):
+        s.add_request(0, [1], eos)
+    s.add_request(1, [1], RequestParams(3, eos_token_ids=[255], grammar_kind="regex", grammar="a+"))
+    assert s.schedule().grammar_masks.shape == (8,)  # one mask of 256 tokens: the refused one left no trace
+    one = [np.ones(2, np.float32), np.zeros(2, np.int64), np.ones(2, np.float32), np.zeros(2, np.float32)]
+    with pytest.raises(InvalidRequestError, match="no columns"):
+        sample_random_cpu(np.zeros((2, 0), np.float32), np.arange(2), *one, np.arange(2), np.arange(2))
+    table = TokenBytes(tok.to_str())
+    assert table(-1) == table(2**40) == b"" and table(tok.token_to_id("a")) == b"a"

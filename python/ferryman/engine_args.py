@@ -213,19 +213,23 @@ def value_type(cls: type, f: dataclasses.Field[Any]) -> tuple[type, bool]:
     return hint, False
 
 
+def type_problem(kind: Any, v: Any) -> str | None:
+    """Why ``v`` cannot be a value of type ``kind`` (bool, int, float or str; a number is never a
+    bool, an int is a float), or None."""
+    if kind is bool:
+        return None if isinstance(v, bool) else "must be True or False"
+    if kind is int:
+        return None if isinstance(v, int) and not isinstance(v, bool) else "must be an integer"
+    if kind is float:
+        return None if isinstance(v, int | float) and not isinstance(v, bool) else "must be a number"
+    if kind is str:
+        return None if isinstance(v, str) else "must be a string"
+    return None
+
+
 def _validate(f: dataclasses.Field[Any], v: Any, cls: type) -> None:
     kind, optional = value_type(cls, f)
-    bad: str | None = None
-    if v is None:
-        bad = None if optional else "must be set"
-    elif kind is bool:
-        bad = None if isinstance(v, bool) else "must be True or False"
-    elif kind is int:
-        bad = None if isinstance(v, int) and not isinstance(v, bool) else "must be an integer"
-    elif kind is float:
-        bad = None if isinstance(v, int | float) and not isinstance(v, bool) else "must be a number"
-    elif kind is str:
-        bad = None if isinstance(v, str) else "must be a string"
+    bad = ("must be set" if not optional else None) if v is None else type_problem(kind, v)
     if bad is None and v is not None:
         choices = f.metadata.get("choices")
         if choices and v not in choices:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from ferryman.engine_args import type_problem
+
 
 @dataclass(frozen=True, slots=True)
 class GpuSpec:
@@ -107,29 +109,16 @@ def _override(obj: Any, overrides: dict[str, Any]) -> Any:
     bad = sorted(set(overrides) - known)
     if bad:
         raise ValueError(f"unknown field(s) {bad} for {type(obj).__name__}; known: {sorted(known)}")
-    wrong = next((k for k, v in overrides.items() if not _fits(getattr(obj, k), v)), None)
-    if wrong is not None:
-        kinds = {bool: "true or false", int: "an integer", float: "a number", str: "text"}
-        want = kinds.get(type(getattr(obj, wrong)), type(getattr(obj, wrong)).__name__)
-        raise ValueError(f"{type(obj).__name__}.{wrong} must be {want}, got {overrides[wrong]!r}")
+    for k, v in overrides.items():  # a value of the field's type (a TypeError deep in the model before)
+        problem = type_problem(type(getattr(obj, k)), v)
+        if problem:
+            raise ValueError(f"{type(obj).__name__}.{k} {problem}, got {v!r}")
     # sizes and rates are positive (a zero one divides the cost model by zero)
     sizes = {k: v for k, v in overrides.items() if isinstance(v, int | float) and not isinstance(v, bool)}
     zero = next((k for k, v in sizes.items() if not v > 0), None)
     if zero is not None:
         raise ValueError(f"{type(obj).__name__}.{zero} must be > 0, got {overrides[zero]}")
     return replace(obj, **overrides)
-
-
-def _fits(current: Any, value: Any) -> bool:
-    """Whether ``value`` may replace a field holding ``current`` (an int where an int is, a
-    number where a float is, never a bool for a number or text for either)."""
-    if isinstance(current, bool) or isinstance(value, bool):
-        return type(value) is type(current)
-    if isinstance(current, int):
-        return isinstance(value, int)
-    if isinstance(current, float):
-        return isinstance(value, int | float)
-    return isinstance(value, type(current))
 
 
 def gpu(name: str, **overrides: Any) -> GpuSpec:

@@ -121,7 +121,7 @@ class Engine(FaultsMixin, OfflineMixin):
             raise InvalidRequestError("stop strings need a tokenizer, and this model has none")
         text, ids = self.tokenize(prompt, prompt_token_ids)
         ids = params.truncated(ids, self.max_model_len)
-        params.check_model(self.model.cfg.vocab_size, self.args.max_logprobs)
+        params.check_engine(self.model.cfg.vocab_size, self.args.max_logprobs, self.args.policy)
         room = min(
             max(1, self.max_model_len - len(ids)), self.generation_defaults.get("max_tokens") or 1 << 62
         )

@@ -215,9 +215,16 @@ class SamplingParams:
                 raise ValueError(f"logit_bias: token ids must be >= 0 and biases in [-100, 100], got {bad}")
             self.logit_bias = bias
 
-    def check_model(self, vocab_size: int, max_logprobs: int) -> None:
-        """``InvalidRequestError`` unless the model can serve these: logit-bias ids within its
-        vocabulary, and at most ``max_logprobs`` logprobs (and prompt logprobs) per token."""
+    def check_engine(self, vocab_size: int, max_logprobs: int, policy: str) -> None:
+        """``InvalidRequestError`` unless the engine can serve these: logit-bias ids within its
+        vocabulary, at most ``max_logprobs`` logprobs (and prompt logprobs) per token, and a
+        ``priority`` other than 0 only under the priority policy (vLLM's rule: fcfs would
+        silently ignore it)."""
+        if self.priority != 0 and policy != "priority":
+            raise InvalidRequestError(
+                f"priority {self.priority} needs the priority scheduling policy (policy='priority'); "
+                f"this engine's policy is {policy!r}"
+            )
         bad = next((t for t in self.logit_bias or () if t >= vocab_size), None)
         if bad is not None:
             raise InvalidRequestError(f"logit_bias: token id {bad} out of range [0, {vocab_size})")

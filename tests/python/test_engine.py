@@ -199,6 +199,9 @@ def test_a_refused_request_or_call_leaves_nothing_queued(models: dict[str, Path]
             eng.add_request(name, [3, 4], SamplingParams(max_tokens=2, **{name: 21}))  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError, match="request_id must be a string, got int"):
         eng.add_request(7, [3, 4], GREEDY)  # type: ignore[arg-type]
+    # a priority the fcfs policy would ignore is refused (vLLM's rule)
+    with pytest.raises(InvalidRequestError, match="priority 1 needs the priority scheduling policy"):
+        eng.generate([[3, 4]], dataclasses.replace(GREEDY, priority=1))
     # a generate() whose later prompt is refused queues none of its prompts
     with pytest.raises(InvalidRequestError, match="out of range"):
         eng.generate([PROMPTS[0], [-1]], GREEDY)
@@ -230,6 +233,15 @@ def test_a_refused_request_or_call_leaves_nothing_queued(models: dict[str, Path]
     out = eng.generate(PROMPTS[:2], GREEDY)
     assert [len(o.outputs[0].token_ids) for o in out] == [12, 12]
     assert eng.generate(np.array(PROMPTS[0]), GREEDY)[0].outputs[0].token_ids == out[0].outputs[0].token_ids
+
+
+def test_priorities_are_served_under_the_priority_policy(models: dict[str, Path]) -> None:
+    eng = Engine(str(models["llama"]), block_size=4, num_device_blocks=64, policy="priority", calibrate=False)
+    params = [dataclasses.replace(GREEDY, priority=p) for p in (1, -3)]
+    outs = eng.generate(PROMPTS[:2], params)
+    assert [o.outputs[0].token_ids for o in outs] == [
+        o.outputs[0].token_ids for o in eng.generate(PROMPTS[:2], GREEDY)
+    ]
 
 
 def test_bench_throughput_smoke(models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:

@@ -173,12 +173,25 @@ def developer_as_system(turns: list[dict[str, Any]], template: str) -> list[dict
     return [t | {"role": "system"} if t.get("role") == "developer" else t for t in turns]
 
 
-def open_final_message(prompt: str, final: str) -> str:
-    """The rendered conversation cut right after the last message's text, so the model continues
-    that message instead of closing it (what transformers' ``continue_final_message`` does)."""
-    for text in (final, final.strip()):
-        at = prompt.rfind(text) if text else -1
-        if at >= 0:
-            return prompt[: at + len(text)]
-    said = "continue_final_message: the chat template does not render the last message's text"
-    raise ValueError(said)
+# transformers' marker for continue_final_message: written after the last message's text, found
+# in the rendered prompt, cut off there
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def tag_final_message(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The turns with the marker after the last message's text (a copy; ``open_final_message``
+    cuts the rendered prompt there)."""
+    last = dict(turns[-1])
+    last["content"] = str(last.get("content") or "") + _CONTINUE_TAG
+    return [*turns[:-1], last]
+
+
+def open_final_message(prompt: str) -> str:
+    """The conversation rendered from ``tag_final_message``'s turns, cut right after the last
+    message's text, so the model continues that message instead of closing it (transformers'
+    ``continue_final_message``: the text's trailing whitespace stays unless the template trims
+    it)."""
+    at = prompt.rfind(_CONTINUE_TAG.strip())
+    if at < 0:
+        raise ValueError("continue_final_message: the chat template does not render the last message's text")
+    return prompt[:at] if prompt.startswith(_CONTINUE_TAG, at) else prompt[:at].rstrip()

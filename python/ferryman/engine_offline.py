@@ -10,7 +10,7 @@ from numbers import Integral
 from typing import TYPE_CHECKING, Any, cast
 
 from ferryman._core import InvalidRequestError, Scheduler
-from ferryman.chat_template import developer_as_system, open_final_message
+from ferryman.chat_template import developer_as_system, open_final_message, tag_final_message
 from ferryman.outputs import RequestOutput, StepResult
 from ferryman.sampling_params import SamplingParams
 from ferryman.tokenizer import plain_prompt
@@ -189,6 +189,10 @@ class OfflineMixin:
             raise InvalidRequestError("continue_final_message needs add_generation_prompt=False")
         template = str(self.tokenizer.chat_template)
         turns = developer_as_system([_flat_message(m) for m in conversation], template)
+        if continue_final_message:
+            if not turns or turns[-1]["role"] != "assistant":
+                raise InvalidRequestError("continue_final_message needs a last message of the assistant")
+            turns = tag_final_message(turns)
         try:
             text = self.tokenizer.apply_chat_template(
                 turns,
@@ -200,10 +204,8 @@ class OfflineMixin:
         except Exception as e:  # the template refuses the conversation (a message without content, ...)
             raise InvalidRequestError(f"chat template: {e}") from None
         if continue_final_message:
-            if not turns or turns[-1]["role"] != "assistant":
-                raise InvalidRequestError("continue_final_message needs a last message of the assistant")
             try:
-                text = open_final_message(text, str(turns[-1]["content"]))
+                text = open_final_message(text)
             except ValueError as e:
                 raise InvalidRequestError(str(e)) from None
         return text, self.tokenize(text, add_special_tokens=False)[1]

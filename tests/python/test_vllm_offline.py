@@ -75,6 +75,36 @@ def test_chat_takes_vllms_arguments(engine: Engine) -> None:
         engine.chat([HI, other], [GREEDY] * 3)
 
 
+TRIMMING_TEMPLATE = (  # Llama 3's way: every message's content trimmed
+    "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n'"
+    " + m['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize("template", ["own", "trimming"])
+def test_continue_final_message_cuts_where_transformers_does(
+    engine: Engine, path: Path, template: str
+) -> None:
+    import transformers
+
+    hf = transformers.AutoTokenizer.from_pretrained(path)
+    own = engine.tokenizer.chat_template
+    if template == "trimming":
+        engine.tokenizer.chat_template = hf.chat_template = TRIMMING_TEMPLATE
+    try:
+        # the final text also ends an earlier message, whole or trimmed; trailing spaces; empty
+        for final in ["The answer is ", "The answer is", "  x  ", ""]:
+            msgs = [
+                {"role": "user", "content": "Finish: The answer is 42"},
+                {"role": "assistant", "content": final},
+            ]
+            want = hf.apply_chat_template(msgs, tokenize=False, continue_final_message=True)
+            text, _ = engine.render_chat(msgs, add_generation_prompt=False, continue_final_message=True)
+            assert text == want, final
+    finally:
+        engine.tokenizer.chat_template = own
+
+
 def test_max_tokens_past_max_model_len_is_cut_to_the_room_left(engine: Engine) -> None:
     ids = list(range(3, 43))  # 40 of max_model_len 48
     out = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))[0]

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from ferryman.chat_template import developer_as_system, open_final_message
+from ferryman.chat_template import developer_as_system, open_final_message, tag_final_message
 from ferryman.server import tools
 from ferryman.server.errors import ApiError
 from ferryman.server.schema_types import Body, Unsupported
@@ -87,6 +87,8 @@ class ChatPrompt(Body):
         except ValueError as e:
             raise _invalid(str(e), "messages") from None
         turns = [m.for_template() for m in self.messages]
+        if self.continue_final_message:
+            turns = tag_final_message(turns)
         turns = developer_as_system(turns, str(template))
         msgs, tool_dicts = tools.render_messages(turns, self.tools, choice, str(template))
         kwargs = {k: v for k, v in (self.chat_template_kwargs or {}).items() if k not in _RESERVED}
@@ -106,7 +108,7 @@ class ChatPrompt(Body):
             raise _invalid(f"chat template: {e}", "messages") from None
         if self.continue_final_message:
             try:
-                prompt = open_final_message(prompt, self.messages[-1].text())
+                prompt = open_final_message(prompt)
             except ValueError as e:
                 raise _invalid(str(e), "messages") from None
         return prompt

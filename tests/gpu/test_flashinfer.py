@@ -347,6 +347,26 @@ def test_to_device_copies_without_waiting_for_the_stream() -> None:
     assert t.dtype == torch.int64 and t.cpu().tolist() == [0, 2, 4, 6, 8]
 
 
+def test_the_host_pool_is_page_locked_at_its_own_size() -> None:
+    """The host KV pool is locked memory that copies run from asynchronously, without PyTorch's
+    pinned allocator (which would round its 4.002 GiB up to 8)."""
+    import gc
+
+    from ferryman.worker.kv_cache import KvCache
+
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    kv = KvCache(2, 8, 1000, 16, 2, 64, torch.bfloat16, torch.device("cuda"))
+    assert kv.host_kv.is_pinned()
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == before
+    kv.device_kv[3] = 1.0
+    kv.run_plans(np.array([[3, 500]], dtype=np.int32), np.zeros((0, 2), np.int32), np.zeros((0, 2), np.int32))
+    torch.cuda.synchronize()
+    assert bool((kv.host_kv[500] == 1.0).all())
+    del kv
+    gc.collect()  # unregisters: a second pool of the same size registers again
+    KvCache(2, 8, 1000, 16, 2, 64, torch.bfloat16, torch.device("cuda"))
+
+
 def test_kv_pool_is_sized_from_gpu_memory_utilization(tmp_path: Path) -> None:
     """No ``num_device_blocks``: ``profile_kv_blocks`` gives KV what is left of the utilization
     share after weights and a full-budget forward; the pool stays inside that share and serves."""

@@ -210,6 +210,50 @@ def test_the_cpu_device_pool_starts_zeroed_and_keeps_what_is_written(dtype: torc
     assert torch.equal(kv.device_kv[5, 2], torch.full((2, 4, 2, 8), 1.5, dtype=dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_host_pool_is_locked_at_its_own_size_until_its_last_view_is_freed(dtype: torch.dtype) -> None:
+    """``page_locked`` registers exactly the pool's bytes (not the power of two PyTorch's pinned
+    allocator rounds to) and unregisters the same address once, when no tensor over it is left.
+    The CUDA runtime is replaced by a recorder here; tests/gpu runs the real one."""
+    import gc
+
+    from ferryman.worker.transfer import page_locked
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, int, int]] = []
+
+        def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+            self.calls.append(("register", ptr, size))
+            return 0
+
+        def cudaHostUnregister(self, ptr: int) -> int:
+            self.calls.append(("unregister", ptr, 0))
+            return 0
+
+    rt = Recorder()
+    shape = (1 + 1000, 3, 2, 16, 2, 8)  # 4.1 MB in float32: a power of two would be 8.4 MB
+    pool = page_locked(shape, dtype, rt)
+    nbytes = pool.numel() * pool.element_size()
+    assert pool.shape == shape and pool.dtype == dtype and rt.calls == [("register", pool.data_ptr(), nbytes)]
+    view = pool[7]
+    view.fill_(2)
+    del pool
+    gc.collect()
+    assert len(rt.calls) == 1, "unregistered while a view still uses the memory"
+    assert float(view.float().sum()) == 2 * view.numel()
+    del view
+    gc.collect()
+    assert rt.calls[1:] == [("unregister", rt.calls[0][1], 0)]
+
+    class Refuses(Recorder):
+        def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+            return 2  # cudaErrorMemoryAllocation
+
+    with pytest.raises(RuntimeError, match=r"page-locking .* failed: cudaError 2"):
+        page_locked(shape, dtype, Refuses())
+
+
 def test_a_swap_out_overlaps_the_forward_only_when_the_step_writes_none_of_its_blocks() -> None:
     from ferryman.worker.kv_cache import swap_out_blocks_rewritten
 

@@ -7,13 +7,14 @@ of layers; ``layers()[i]`` is layer i's ``[num_blocks, 2, block_size, Hkv, D]`` 
 NHD with a block stride, which FlashInfer accepts). The plans run in the order swap-out, swap-in,
 copy (the scheduler's contract).
 
-On CUDA the host pool is pinned and allocated once; swaps run on a dedicated copy stream that
-first waits for the compute stream (so a block's last writes land before it is copied out). The
-compute stream then waits for exactly what the step needs: for the swap-ins (and the swap-outs
-queued before them) when there are any; for the swap-outs when this step writes one of the
-blocks they free (``swap_out_blocks_rewritten``: the step's slots and copy targets). Otherwise
-the swap-out overlaps this step's forward, and the next step waits for it before anything else,
-so no freed block is rewritten, and no swapped-in block read, before its copy is done.
+On CUDA the host pool is page-locked at its own size and allocated once (``page_locked``); swaps
+run on a dedicated copy stream that first waits for the compute stream (so a block's last writes
+land before it is copied out). The compute stream then waits for exactly what the step needs:
+for the swap-ins (and the swap-outs queued before them) when there are any; for the swap-outs
+when this step writes one of the blocks they free (``swap_out_blocks_rewritten``: the step's
+slots and copy targets). Otherwise the swap-out overlaps this step's forward, and the next step
+waits for it before anything else, so no freed block is rewritten, and no swapped-in block read,
+before its copy is done.
 
 A swap whose blocks are scattered on the device but run on in the host pool goes through a
 device staging buffer (CUDA, with a host pool; ``STAGING_BYTES``): each chunk of blocks is
@@ -40,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ferryman.worker.transfer import to_device
+from ferryman.worker.transfer import page_locked, to_device
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -136,7 +137,8 @@ class KvCache:
         self._cuda = device.type == "cuda"
         # host blocks are always written (swap-out) before they are read, so their memory is
         # left untouched until used; device blocks are zeroed because the null block pads reads
-        self.host_kv = torch.empty((num_host_blocks + 1, *block), dtype=dtype, pin_memory=self._cuda)
+        shape = (num_host_blocks + 1, *block)
+        self.host_kv = page_locked(shape, dtype) if self._cuda else torch.empty(shape, dtype=dtype)
         self._copy_stream = torch.cuda.Stream(device) if self._cuda else None  # type: ignore[no-untyped-call]
         self._side_stream = torch.cuda.Stream(device) if self._cuda else None  # type: ignore[no-untyped-call]
         self._pending_swap_out: torch.cuda.Event | None = None  # a swap-out the forward did not wait for

@@ -13,9 +13,16 @@ waits for the device only where it reads a result (the sampled ids' event, logpr
 page-locked buffer the host rewrites every step must not be rewritten while a copy from it is
 still queued: FlashInfer's plan buffer waits for its previous plan (``PlanArgs``); the others
 here are fresh per copy.
+
+``page_locked`` is the other kind of host memory a CUDA engine keeps: the host KV pool, locked
+once at its own size.
 """
 
 from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,3 +37,19 @@ def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     # the host may rewrite before the copy runs): such an array gets a staging buffer of its own
     staged = torch.empty_like(t, pin_memory=True).copy_(t) if t.is_pinned() else t.pin_memory()
     return staged.to(device, non_blocking=True)
+
+
+def page_locked(shape: tuple[int, ...], dtype: torch.dtype, cudart: Any = None) -> torch.Tensor:
+    """An uninitialised host tensor, page-locked at its own size (``cudaHostRegister``) and
+    unlocked when the last tensor over it is freed. ``pin_memory=True`` would take PyTorch's
+    caching host allocator, which rounds every request up to a power of two: a host KV pool of
+    4.002 GiB (``swap_space=4``) locked 8 GiB. ``cudart``: ``torch.cuda.cudart()`` by default."""
+    cudart = cudart if cudart is not None else torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    owner = np.empty(max(nbytes, 1), dtype=np.uint8)  # the tensor's storage holds it to the end
+    err = int(cudart.cudaHostRegister(owner.ctypes.data, owner.nbytes, 0))
+    if err != 0:
+        raise RuntimeError(f"page-locking {owner.nbytes} bytes of host memory failed: cudaError {err}")
+    # runs when the array is freed, after every tensor over it (each holds a reference to it)
+    weakref.finalize(owner, cudart.cudaHostUnregister, owner.ctypes.data)
+    return torch.from_numpy(owner)[:nbytes].view(dtype).view(shape)

@@ -209,8 +209,12 @@ def main() -> None:
         path = str(tiny_models().build("llama", Path(tmp), **shape))
         for overlap in (False, True):
             report["async" if overlap else "sync"] = run(path, overlap, a)
-        if not a.smoke:  # graphs are CUDA's
-            report["async_logits_in_graph"] = run(path, True, a, logits_in_graph=True)
+        if not a.smoke:  # graphs are CUDA's; a failure of this mode, never run yet, keeps the others
+            print(json.dumps(report), flush=True)  # the figures so far, should the next run time out
+            try:
+                report["async_logits_in_graph"] = run(path, True, a, logits_in_graph=True)
+            except Exception as e:
+                report["async_logits_in_graph"] = {"error": f"{type(e).__name__}: {e}"}
     print(json.dumps(report))
 
 

@@ -99,7 +99,8 @@ try:
 except Exception as e:
     profile = {"error": repr(e)}
 try:
-    overlap = json.load(open("/tmp/gpu_overlap.json"))
+    # one JSON line after the sync and async runs, another with the in-graph LM head: the last
+    overlap = json.loads(open("/tmp/gpu_overlap.json").read().strip().splitlines()[-1])
 except Exception as e:
     overlap = {"error": repr(e)}
 summary = {"tests_rc": tests_rc, "tests": tail, "ceilings_rc": ceilings_rc, "ceilings": ceilings, "bench_rc": bench_rc, "bench": bench,

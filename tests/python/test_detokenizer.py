@@ -155,6 +155,44 @@ def test_stop_strings_need_text(byte_level: Any) -> None:
         s.add_request(0, [1], RequestParams(4, detokenize=True, stop=[""]))
 
 
+@pytest.mark.parametrize("kind", ["byte_level", "sentencepiece"])
+def test_a_stop_tokens_text_is_output_only_with_include_stop_str_in_output(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    """vLLM's rule: the text of the token that stopped the sequence (a stop id or an EOS that
+    is not a special token, such as a newline) is left out unless include_stop_str_in_output;
+    kept, it is still searched for stop strings."""
+    tok = request.getfixturevalue(kind)
+    ids = tok.encode("ab\ncd", add_special_tokens=False)
+    nl = tok.encode("\n", add_special_tokens=False)[-1]
+    assert nl in ids and tok.decode([nl]).endswith("\n")
+    upto = ids[: ids.index(nl) + 1]
+    want = tok.decode(upto, skip_special_tokens=True)
+
+    def text(**kw: Any) -> tuple[str, str, list[str]]:
+        s = Scheduler(
+            SchedulerConfig(block_size=16, num_device_blocks=64, max_num_seqs=4, max_model_len=1024)
+        )
+        s.set_tokenizer(tok.backend_tokenizer.to_str())
+        s.add_request(0, [1], RequestParams(len(ids), detokenize=True, **kw))
+        deltas = []
+        for t in ids:
+            s.schedule()
+            res = s.update(np.array([t], np.int32))
+            deltas.append(res.deltas[0])
+            if res.finish_reasons[0] is not None:
+                assert res.output_token_ids.tolist() == upto and "".join(deltas) == res.output_texts[0]
+                return res.output_texts[0], res.finish_reasons[0], res.stop_string_indices.tolist()
+        raise AssertionError("no stop")
+
+    for how in ({"stop_token_ids": [nl]}, {"eos_token_ids": [nl]}):
+        assert text(**how) == (want.removesuffix("\n"), "stop", [-1])
+        assert text(**how, include_stop_str_in_output=True) == (want, "stop", [-1])
+    # the kept text completes a stop string: the sequence stops on it (its index reported)
+    got = text(stop_token_ids=[nl], stop=["b\n"], include_stop_str_in_output=True)
+    assert got == (want, "stop", [0])
+
+
 def test_stop_string_spanning_tokens_cuts_the_text(model_dir: Path) -> None:
     eng = Engine(str(model_dir), block_size=4, num_device_blocks=64, num_host_blocks=0, calibrate=False)
     prompt = [72, 101, 108, 108, 111]

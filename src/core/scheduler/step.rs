@@ -340,9 +340,10 @@ impl Scheduler {
             }
         }
         if let (Some(text), Some(tok)) = (r.text.as_deref_mut(), self.tokenizer.as_ref()) {
-            // a stop token's own text is not part of the output (vLLM's rule); a token the
-            // tokenizer cannot decode adds no text
-            let pushed = if stop_token { Ok(Push::Continue) } else { text.push(tok, token) };
+            // a stop token's own text is part of the output only with include_stop_str_in_output
+            // (vLLM's rule; stop strings are still looked for in it); a token the tokenizer
+            // cannot decode adds no text
+            let pushed = if stop_token && !text.includes_stop() { Ok(Push::Continue) } else { text.push(tok, token) };
             if let Ok(Push::Stop(k)) = pushed {
                 (finish, stop_string) = (Some(FinishReason::Stop), k as i32);
             }

@@ -231,6 +231,11 @@ impl SeqText {
         &self.text[..self.released]
     }
 
+    /// Whether a stop string (or a stop token's text: `update()`) stays in the output.
+    pub fn includes_stop(&self) -> bool {
+        self.include_stop
+    }
+
     /// Whether a stop string matched or `finish` was called.
     pub fn is_finished(&self) -> bool {
         self.finished

@@ -126,7 +126,7 @@ impl RowSampler {
             return 0;
         }
         self.lg.clear();
-        self.lg.extend(logits.iter().map(|&x| x / p.temperature));
+        self.lg.extend(logits.iter().map(|&x| x / p.temperature + 0.0)); // -0 + 0 is +0 (`rank`)
         let top_k = usize::try_from(p.top_k).ok().filter(|&k| k > 0 && k < vocab);
         let top_p = p.top_p < 1.0;
         if top_k.is_none() && !top_p {
@@ -397,7 +397,9 @@ mod tests {
     fn naive_filtered(logits: &[f32], p: &RowParams) -> u32 {
         let lg: Vec<f32> = logits.iter().map(|&x| x / p.temperature).collect();
         let mut order: Vec<u32> = (0..lg.len() as u32).collect();
-        order.sort_by(|&a, &b| lg[b as usize].total_cmp(&lg[a as usize]).then(a.cmp(&b)));
+        // descending logits, NaN first, equal ones (-0 and +0 too) by id: the torch sampler's order
+        let at = |i: u32| lg[i as usize] + 0.0;
+        order.sort_by(|&a, &b| at(b).total_cmp(&at(a)).then(a.cmp(&b)));
         let mut cand: Vec<u32> = order.clone();
         if p.top_k > 0 && (p.top_k as usize) < lg.len() {
             let kth = lg[order[p.top_k as usize - 1] as usize];

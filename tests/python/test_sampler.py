@@ -116,6 +116,13 @@ def test_core_sampler_matches_the_reference(vocab: int, scale: float) -> None:
     no_k = torch.full((rows,), -1, dtype=torch.int64)
     args = (logits, temperature, no_k, top_p, min_p, seeds, positions)
     assert core_sample(*args) == reference(*args)
+    # -0 and +0 at the top are a tie, kept by id (as the torch sampler sorts them), not by sign
+    zeros = torch.full((rows, vocab), -5.0)
+    zeros[:, 0], zeros[:, vocab - 1] = -0.0, 0.0
+    tight = torch.full((rows,), 1e-6)
+    for k in (torch.ones(rows, dtype=torch.int64), no_k):
+        args = (zeros, temperature.clamp(min=0.25), k, tight, torch.zeros(rows), seeds, positions)
+        assert core_sample(*args) == reference(*args) == [int(t) for t in sample(*args)] == [0] * rows
 
 
 def test_core_sampler_refuses_bad_arguments() -> None:

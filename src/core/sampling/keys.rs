@@ -2,7 +2,8 @@
 //! order is descending logits (ties by id), and a float32 e^x for x ≤ 0 that vectorizes.
 
 /// An order key of scaled logit `x`: ascending ranks are descending logits (in `total_cmp`'s
-/// order, NaN first); plain integer compares.
+/// order, NaN first); plain integer compares. -0 ranks below +0, so the sampler's scaled logits
+/// hold no -0 (`RowSampler::sample`): equal logits tie, as in the torch sampler's sort.
 #[inline]
 pub(super) fn rank(x: f32) -> u32 {
     let b = x.to_bits();

@@ -29,10 +29,8 @@ impl RowSampler {
         self.keys.clear();
         self.keys.extend(self.lg.iter().enumerate().map(|(i, &x)| key(x, i as u32)));
         let kth = rank_of(*self.keys.select_nth_unstable(k - 1).1);
-        // a tie is an equal logit: the same rank, or the other zero (a NaN row keeps what it may)
-        let x = logit_of(kth);
-        let other = if x == 0.0 { rank(-x) } else { kth };
-        let tied = |key: &u64| rank_of(*key) == kth || rank_of(*key) == other;
+        // a tie is an equal logit: the same rank (the row holds no -0; a NaN row keeps what it may)
+        let tied = |key: &u64| rank_of(*key) == kth;
         let mut m = k;
         if self.keys[k..].iter().filter(|&key| tied(key)).count() > 0 {
             for j in k..self.keys.len() {

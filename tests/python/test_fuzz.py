@@ -98,6 +98,8 @@ MODEL_LIMITS = re.compile(
     r"|^stream_options is only allowed with stream: true$|^continue_final_message"
     # what the model's chat template refuses (chat_template_kwargs reach it): the template's rules
     r"|^chat template: |^echo is not supported with truncate_prompt_tokens$"
+    # the engine's policy: a priority other than 0 needs policy "priority" (vLLM's rule)
+    r"|^priority -?\d+ needs the priority scheduling policy"
 )
 
 
@@ -117,7 +119,7 @@ def positive_data_served(ctx: CheckContext, response: Response, case: Case) -> b
     compile or two that are asked for at once, a ``tool_choice`` its ``tools`` do not allow,
     ``best_of`` other than ``n``, ``top_logprobs`` without ``logprobs``, ``stream_options``
     without ``stream``, ``continue_final_message`` with ``add_generation_prompt`` or after a
-    message that is not an assistant's."""
+    message that is not an assistant's, a ``priority`` other than 0 on an fcfs engine."""
     err = _error(response)
     if response.status_code == 400 and err is not None and MODEL_LIMITS.search(str(err.get("message"))):
         return None

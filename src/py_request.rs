@@ -69,6 +69,11 @@ impl PyRequestParams {
                 _ => msg,
             })
         })?;
+        // min_tokens is checked here, not in `validate`: it counts without text too (EOS held back)
+        if min_tokens > inner.max_tokens {
+            let msg = format!("min_tokens ({min_tokens}) must be <= max_tokens ({})", inner.max_tokens);
+            return Err(InvalidRequestError::new_err(msg));
+        }
         Ok(Self { inner })
     }
 

@@ -22,13 +22,12 @@ unfinished sequences ends with finish_reason "abort".
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import queue
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ferryman.engine import Engine, EngineDeadError, Prompt
@@ -190,6 +189,8 @@ class AsyncEngine:
                 then, self._drain = self._drain[1], None
                 then()
             if not self.engine.has_unfinished_requests():
+                with self._lock:  # aborts can empty the queue with no step to count it again
+                    self._engine_waiting = 0
                 if busy and self.metrics is not None:
                     self.metrics.set_state(self.engine.scheduler.stats())
                 if busy and self.trace is not None:
@@ -265,7 +266,7 @@ class AsyncEngine:
                 step_record(res.stats, cfg, res.preemptions, time.monotonic() - self._t0, step_s)
             )
             for e in res.preemptions:
-                self.trace.write({"type": "preemption", **dataclasses.asdict(e)})
+                self.trace.write({"type": "preemption", **asdict(e)})
 
     def _deliver(self, ro: RequestOutput) -> int:
         """Sends ``ro``'s deltas to its stream; returns the number of new tokens."""

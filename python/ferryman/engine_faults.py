@@ -35,7 +35,19 @@ class FaultsMixin:
         _failures: deque[float]
         _events: dict[int, list[PreemptionEvent]]
 
+        runner: Any
+        dead: BaseException | None
+
         def _release(self, core_id: int) -> None: ...
+
+    def shutdown(self) -> None:
+        """Stops the engine's tensor-parallel workers at once (dropping the engine does too, once
+        it is collected, and so does the interpreter's exit); the engine cannot step after it."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
+        if self.dead is None:
+            self.dead = EngineDeadError("the engine was shut down")
 
     def _inflight_failed(self, error: Exception) -> StepResult:
         """The planned step raised while it ran: fails it; no step is left in flight."""

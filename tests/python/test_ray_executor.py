@@ -61,7 +61,7 @@ def test_ray_ranks_give_one_ranks_tokens_and_leave_nothing_behind(ray_cluster: A
         assert tokens(eng) == want
         assert eng.stats()["num_preemptions"] > 0
     finally:
-        eng.runner.shutdown()
+        eng.shutdown()
     assert workers.dead() == ["rank 1 (a Ray actor)"]  # its worker_main returned after the last plan
     group = ray_cluster.util.placement_group_table(workers.group)
     assert group["state"] == "REMOVED"
@@ -80,4 +80,4 @@ def test_a_killed_rank_actor_kills_the_engine_not_hangs_it(ray_cluster: Any, mod
             eng.step()
         assert eng.runner.workers.dead() == ["rank 1 (a Ray actor)"]
     finally:
-        eng.runner.shutdown()
+        eng.shutdown()

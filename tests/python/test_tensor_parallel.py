@@ -108,7 +108,7 @@ def run(path: Path, world: int, **kw: Any) -> tuple[list[list[int]], dict[str, A
         return [o.token_ids for r in outs for o in r.outputs], st
     finally:
         if world > 1:
-            eng.runner.shutdown()
+            eng.shutdown()
 
 
 @pytest.mark.parametrize(
@@ -171,7 +171,7 @@ def test_a_dead_rank_kills_the_engine_not_hangs_it(tmp_path: Path) -> None:
         with pytest.raises(EngineDeadError):
             eng.step()
     finally:
-        eng.runner.shutdown()
+        eng.shutdown()
 
 
 def test_an_idle_engine_stays_alive_past_the_collective_timeout(
@@ -188,7 +188,52 @@ def test_an_idle_engine_stays_alive_past_the_collective_timeout(
         time.sleep(4)
         assert eng.generate([PROMPTS[0]], sp)[0].outputs[0].token_ids == first
     finally:
-        eng.runner.shutdown()
+        eng.shutdown()
+
+
+def test_one_engine_at_a_time_each_stopped_by_shutdown_or_drop_and_at_once_after_a_broken_step(
+    tmp_path: Path,
+) -> None:
+    """A second tensor-parallel engine beside a live one is refused and leaves it serving; a
+    dropped engine frees its workers and the process group for the next; shutdown after a step
+    that raised on rank 0 (the workers inside an all-reduce) kills them at once, not after the
+    collective timeout (60 s)."""
+    import gc
+    import weakref
+
+    path = build("llama", tmp_path / "m")
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    eng = Engine(str(path), calibrate=False, tensor_parallel_size=2)
+    first = eng.generate([PROMPTS[0]], sp)[0].outputs[0].token_ids
+    with pytest.raises(RuntimeError, match="another tensor-parallel engine runs in this process"):
+        Engine(str(path), calibrate=False, tensor_parallel_size=2)
+    assert eng.generate([PROMPTS[0]], sp)[0].outputs[0].token_ids == first
+    procs, runner = eng.runner.workers.procs, weakref.ref(eng.runner)
+    del eng
+    gc.collect()
+    assert runner() is None and not any(p.is_alive() for p in procs)
+
+    eng = Engine(str(path), calibrate=False, tensor_parallel_size=2)
+    try:
+        assert eng.generate([PROMPTS[0]], sp)[0].outputs[0].token_ids == first
+        eng.add_request("a", PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True))
+        eng.step()
+
+        def boom(*args: Any, **kw: Any) -> Any:
+            raise RuntimeError("rank 0 failed mid-forward")
+
+        eng.runner.local.model.layers[1].forward = boom
+        with pytest.raises(EngineDeadError, match="rank 0 failed mid-forward"):
+            while eng.has_unfinished_requests():
+                eng.step()
+        procs = eng.runner.workers.procs
+        started = time.monotonic()
+        eng.shutdown()
+        assert time.monotonic() - started < 20 and not any(p.is_alive() for p in procs)
+        with pytest.raises(EngineDeadError):
+            eng.step()
+    finally:
+        eng.shutdown()
 
 
 def _late_rank(spec: Any, delay_s: float) -> None:

@@ -32,10 +32,11 @@ what of it has not run: ``worker/tp_devices.py``.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
+import gc
 import socket
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -192,13 +193,23 @@ class SpawnedWorkers:
         for p in self.procs:
             if p.is_alive():
                 p.kill()
+            p.join(timeout=5)  # reaped, not left a zombie
 
 
 def start(
     spec: RankSpec, model: Any, launch: Callable[[RankSpec], Workers] = SpawnedWorkers
 ) -> TensorParallelRunner:
     """Starts ranks 1..N-1 with ``launch`` (the ``mp`` backend unless given), joins them as rank 0
-    and builds rank 0's runner around ``model``."""
+    and builds rank 0's runner around ``model``. One tensor-parallel engine per process: the
+    default process group is the process's (a dropped engine's runner gives it up when
+    collected)."""
+    if dist.is_initialized():
+        gc.collect()
+    if dist.is_initialized():
+        raise RuntimeError(
+            "another tensor-parallel engine runs in this process (one at a time): shut it down first "
+            "(engine.shutdown())"
+        )
     workers = launch(spec)
     try:
         plans = init_rank(workers.spec, 0, workers.dead)
@@ -221,20 +232,45 @@ def sent_ids(inflight: tuple[int, str] | None, device: torch.device) -> torch.Te
     return ids
 
 
+@dataclass
+class _Ranks:
+    """What stopping the workers takes, apart from the runner, so a runner that is dropped (or
+    the interpreter's exit) can stop them (``_stop``). ``broken``: a step on rank 0 did not
+    complete (it raised, or was interrupted), so the workers may wait inside a collective."""
+
+    workers: Workers
+    plans: Any
+    broken: bool = False
+
+
+def _stop(ranks: _Ranks) -> None:
+    """Stops the workers and leaves the group: idle workers exit on the ``None`` plan; after a
+    broken step they may sit in a collective until it times out (60 s), so they are killed."""
+    if not ranks.broken:
+        # a worker already gone (gloo raises plain RuntimeErrors), or the group already destroyed
+        with contextlib.suppress(RuntimeError, ValueError):
+            dist.broadcast_object_list([None], src=0, group=ranks.plans)
+        ranks.workers.join(timeout=10)
+    ranks.workers.kill()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 class TensorParallelRunner:
     """Rank 0's runner: sends each plan to the workers, then runs it here. Anything else (the KV
     pool, the model, graph counts) is rank 0's runner's."""
 
     def __init__(self, local: ModelRunner, workers: Workers, plans: Any) -> None:
-        self.local, self.workers, self.plans, self.stopped = local, workers, plans, False
+        self.local, self.workers, self.plans = local, workers, plans
         self.plan_send_s, self.num_plans = 0.0, 0
         self.num_inputs_filled = 0  # tokens in flight the workers filled from sent ids (async)
-        atexit.register(self.shutdown)
+        self.ranks = _Ranks(workers, plans)
+        self._stopper = weakref.finalize(self, _stop, self.ranks)  # once: shutdown, drop or exit
 
     def execute(
         self, out: Any, prev: torch.Tensor | None = None, also: np.ndarray | None = None
     ) -> torch.Tensor:
-        started = time.perf_counter()
+        started, done = time.perf_counter(), False
         try:
             plan = {f: getattr(out, f) for f in PLAN_FIELDS}
             ids = prev if len(out.inflight_token_indices) else None
@@ -245,21 +281,18 @@ class TensorParallelRunner:
                 self.num_inputs_filled += len(out.inflight_token_indices)
             self.plan_send_s += time.perf_counter() - started
             self.num_plans += 1
-            return self.local.execute(out, prev, also)
+            logits = self.local.execute(out, prev, also)
+            done = True
+            return logits
         except Exception as e:  # a collective failed, or the ranks are out of step: nothing can run
             dead = ", ".join(self.workers.dead()) or "none yet"
             raise RankFailedError(f"a tensor-parallel rank failed (workers stopped: {dead}): {e!r}") from e
+        finally:
+            self.ranks.broken |= not done  # Ctrl-C inside the forward too
 
     def shutdown(self) -> None:
-        """Stops the workers (they exit after the ``None`` plan) and leaves the group."""
-        if self.stopped or not dist.is_initialized():  # once; and not another engine's group
-            return
-        self.stopped = True
-        with contextlib.suppress(RuntimeError):  # a worker already gone (gloo raises plain ones)
-            dist.broadcast_object_list([None], src=0, group=self.plans)
-        self.workers.join(timeout=10)
-        self.workers.kill()
-        dist.destroy_process_group()
+        """Stops the workers and leaves the group (``_stop``), once."""
+        self._stopper()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.local, name)

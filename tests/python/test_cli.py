@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -232,6 +233,48 @@ def test_serve_refuses_data_parallel_flags_it_cannot_honour(
 ) -> None:
     assert main(["serve", *flags]) == 2
     assert said in capsys.readouterr().err
+
+
+def test_serve_reads_vllms_spellings(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A `vllm serve` command line: the model as a positional, --enable-/--no-enable- switches,
+    --allowed-origins as one JSON list, --uvicorn-log-level, and VLLM_API_KEY; what the server
+    is then called with (its run replaced, nothing starts)."""
+    from ferryman.server import run as server_run
+
+    seen: dict[str, Any] = {}
+
+    def serve(args: Any, **kw: Any) -> int:
+        seen.update(kw, args=args)
+        return 0
+
+    monkeypatch.setattr(server_run, "serve", serve)
+    monkeypatch.setenv("VLLM_API_KEY", "k")
+    argv = ["serve", "some/model", "--no-enable-prefix-caching", "--enable-chunked-prefill"]
+    argv += ["--allowed-origins", '["http://a.example", "http://b.example"]', "--uvicorn-log-level", "debug"]
+    assert (
+        main([*argv, "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--disable-log-requests"])
+        == 0
+    )
+    args = seen["args"]
+    assert (args.model, args.enable_prefix_caching, args.enable_chunked_prefill) == (
+        "some/model",
+        False,
+        True,
+    )
+    assert seen["allowed_origins"] == ["http://a.example", "http://b.example"]
+    assert (seen["log_level"], seen["api_key"], seen["tool_call_parser"]) == ("debug", "k", "hermes")
+    assert main(["serve", "--allowed-origins", "http://a.example", "http://c.example"]) == 0
+    assert seen["allowed_origins"] == ["http://a.example", "http://c.example"]
+    assert seen["args"].enable_prefix_caching is True
+    assert main(["serve", "a", "--model", "b"]) == 2
+    assert "two models given: 'a' and --model 'b'" in capsys.readouterr().err
+    assert main(["serve", "--allowed-origins", '["x", 1]']) == 2
+    assert "not a JSON list of origins" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # a typo failed after the model loaded, with a traceback
+        main(["serve", "--log-level", "bogus"])
+    assert e.value.code == 2 and "invalid choice: 'bogus'" in capsys.readouterr().err
 
 
 def test_ferryman_runs_without_ray_and_what_needs_ray_says_so() -> None:

@@ -89,6 +89,23 @@ def test_browsers_may_call_from_the_allowed_origins(client: TestClient, engine: 
         assert "access-control-allow-origin" not in c.get("/v1/models", headers=ask).headers
 
 
+def test_an_api_key_guards_the_v1_routes(engine: Engine) -> None:
+    """vLLM's --api-key: /v1 needs the bearer token (401 in OpenAI's body otherwise, with CORS
+    headers so a browser can read it); the other routes (/health, /tokenize, ...) stay open."""
+    app = build_app(AsyncEngine(engine), "tiny", api_key="s3cret")
+    body = {"prompt": "hi", "max_tokens": 2}
+    with TestClient(app) as c:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = c.post("/v1/completions", json=body, headers=headers | {"Origin": "http://x.example"})
+            assert r.status_code == 401 and r.json()["error"]["message"] == "invalid or missing API key"
+            assert r.headers["access-control-allow-origin"] == "*"
+        assert c.get("/v1/models").status_code == 401
+        ok = {"Authorization": "Bearer s3cret"}
+        assert c.post("/v1/completions", json=body, headers=ok).status_code == 200
+        assert c.get("/v1/models", headers=ok).json()["data"][0]["id"] == "tiny"
+        assert c.get("/health").status_code == 200
+
+
 def test_the_developer_role_is_the_system_message(client: TestClient) -> None:
     def count(role: str) -> list[int]:
         msgs = [{"role": role, "content": "be brief"}, *HI]

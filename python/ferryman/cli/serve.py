@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from typing import Any
 
-from ferryman.engine_args import EngineArgs, add_cli_args, from_cli
+from ferryman.engine_args import DEFAULT_MODEL, EngineArgs, add_cli_args, from_cli
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 
 
 def _port(text: str) -> int:
@@ -16,6 +20,38 @@ def _port(text: str) -> int:
     if not 0 <= n <= 65535:
         raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {n}")
     return n
+
+
+def _origins(words: list[str]) -> list[str]:
+    """``--allowed-origins`` as words, or as vLLM's one JSON list (``'["https://a.example"]'``)."""
+    out: list[str] = []
+    for w in words:
+        items = json.loads(w) if w.lstrip().startswith("[") else [w]
+        if not isinstance(items, list) or not all(isinstance(o, str) for o in items):
+            raise ValueError(f"--allowed-origins: {w!r} is not a JSON list of origins")
+        out += items
+    return out
+
+
+def _vllm_spellings(p: argparse.ArgumentParser) -> None:
+    """Flags of ``vllm serve`` command lines, accepted with the same meaning."""
+    v = p.add_argument_group("vLLM's spellings")
+    v.add_argument("model_tag", nargs="?", default=None, help="the model, as `vllm serve MODEL` (or --model)")
+    for knob in ("prefix_caching", "chunked_prefill"):
+        flag, dest = knob.replace("_", "-"), f"enable_{knob}"
+        on, off = f"--enable-{flag}", f"--no-enable-{flag}"
+        v.add_argument(on, dest=dest, action="store_true", default=argparse.SUPPRESS, help="on (the default)")
+        v.add_argument(off, dest=dest, action="store_false", default=argparse.SUPPRESS, help=f"--no-{flag}")
+    v.add_argument(
+        "--enable-auto-tool-choice", action="store_true", help="accepted: tool calls are always read"
+    )
+    v.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json"),
+        help="accepted when it names the format the model's chat template uses (picked from it)",
+    )
+    for flag in ("--disable-log-requests", "--disable-log-stats"):
+        v.add_argument(flag, action="store_true", help="accepted: ferryman logs no requests or stats")
 
 
 def register(sub: Any) -> None:
@@ -27,14 +63,22 @@ def register(sub: Any) -> None:
     s.add_argument("--served-model-name", default=None, help="the name clients ask for (default: --model)")
     s.add_argument("--max-waiting", type=int, default=None, help="answer 503 once this many requests wait")
     s.add_argument("--trace", default=None, help="write one JSON line per step and preemption to this file")
-    s.add_argument("--log-level", default="info", help="uvicorn's log level (default: info)")
+    s.add_argument(
+        "--log-level", "--uvicorn-log-level", default="info", choices=LOG_LEVELS, help="uvicorn's log level"
+    )
     s.add_argument(
         "--allowed-origins",
         nargs="*",
         default=["*"],
         metavar="ORIGIN",
-        help="origins a browser may call the API from (CORS; default: *, every origin, so any web page "
-        "may call this server; none given: no CORS headers)",
+        help="origins a browser may call the API from (CORS; words, or vLLM's JSON list; default: *, "
+        "every origin, so any web page may call this server; none given: no CORS headers)",
+    )
+    s.add_argument(
+        "--api-key",
+        default=os.environ.get("FERRYMAN_API_KEY") or os.environ.get("VLLM_API_KEY"),
+        help="every /v1 route needs 'Authorization: Bearer KEY' (default: $FERRYMAN_API_KEY, else "
+        "$VLLM_API_KEY, else none: open)",
     )
     s.add_argument(
         "--shutdown-timeout",
@@ -69,10 +113,24 @@ def register(sub: Any) -> None:
         help="the Ray cluster to join (default: $RAY_ADDRESS, else a cluster `ray start` began on this "
         "machine, else a local one started here and stopped on exit)",
     )
+    _vllm_spellings(p)
     p.set_defaults(run=run)
 
 
+def _error(msg: str) -> int:
+    print(f"ferryman serve: error: {msg}", file=sys.stderr)
+    return 2
+
+
 def run(a: argparse.Namespace) -> int:
+    if a.model_tag is not None:
+        if a.model not in (DEFAULT_MODEL, a.model_tag):
+            return _error(f"two models given: {a.model_tag!r} and --model {a.model!r}")
+        a.model = a.model_tag
+    try:
+        a.allowed_origins = _origins(a.allowed_origins)
+    except ValueError as e:
+        return _error(str(e))
     if a.data_parallel_size < 1:
         print("ferryman serve: error: --data-parallel-size must be >= 1", file=sys.stderr)
         return 2
@@ -96,6 +154,8 @@ def run(a: argparse.Namespace) -> int:
         log_level=a.log_level,
         shutdown_timeout=a.shutdown_timeout,
         allowed_origins=a.allowed_origins,
+        api_key=a.api_key,
+        tool_call_parser=a.tool_call_parser,
     )
 
 
@@ -103,6 +163,8 @@ def _run_ray(a: argparse.Namespace) -> int:
     if a.trace is not None:
         print("ferryman serve: error: --trace is not supported with --ray", file=sys.stderr)
         return 2
+    if a.api_key is not None or a.tool_call_parser is not None:
+        return _error("--api-key and --tool-call-parser are not supported with --ray")
     if a.allowed_origins != ["*"]:
         print(
             "ferryman serve: error: --allowed-origins is not supported with --ray (replicas allow *)",

@@ -12,6 +12,7 @@ step.
 
 from __future__ import annotations
 
+import hmac
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -34,17 +35,21 @@ from ferryman.server.async_engine import (
     Update,
 )
 from ferryman.server.chat_route import add_chat_route
-from ferryman.server.errors import ERRORS, ApiError, generation, install_error_handlers
+from ferryman.server.errors import ERRORS, ApiError, error_response, generation, install_error_handlers
 from ferryman.server.tokenize_routes import add_tokenizer_routes
 
 T = TypeVar("T")
 
 
 def build_app(
-    engine: AsyncEngine, served_model_name: str, allowed_origins: Sequence[str] = ("*",)
+    engine: AsyncEngine,
+    served_model_name: str,
+    allowed_origins: Sequence[str] = ("*",),
+    api_key: str | None = None,
 ) -> FastAPI:
     """The API over ``engine``; browsers on ``allowed_origins`` may call it (CORS, vLLM's default:
-    every origin, no credentials; none: no CORS headers)."""
+    every origin, no credentials; none: no CORS headers). With ``api_key``, every ``/v1`` route
+    needs ``Authorization: Bearer <api_key>`` (401 otherwise), as vLLM's ``--api-key``."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -56,6 +61,16 @@ def build_app(
 
     app = FastAPI(title="ferryman", lifespan=lifespan)
     install_error_handlers(app)
+    if api_key is not None:  # inside CORS (added before it), so a refusal has CORS headers too
+        want = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next: Any) -> Response:
+            given = request.headers.get("authorization", "").encode()
+            if request.url.path.startswith("/v1") and not hmac.compare_digest(given, want):
+                return error_response(ApiError(401, "invalid or missing API key", "invalid_request_error"))
+            return await call_next(request)  # type: ignore[no-any-return]
+
     if allowed_origins:  # outermost (added last), so its headers are on every answer, errors included
         app.add_middleware(
             CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"]

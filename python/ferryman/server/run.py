@@ -21,6 +21,7 @@ from ferryman.engine_args import EngineArgs
 from ferryman.server.app import build_app
 from ferryman.server.async_engine import AsyncEngine
 from ferryman.server.metrics import Metrics
+from ferryman.server.tools import pick_parser
 from ferryman.trace import TraceWriter
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
@@ -37,11 +38,15 @@ def serve(
     log_level: str = "info",
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
     allowed_origins: Sequence[str] = ("*",),
+    api_key: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> int:
     """Serves until a signal (exit status 0 once drained) or the engine's death (1);
     ``served_model_name`` defaults to ``args.model``, ``max_waiting`` (>= 1) bounds the waiting
     queue (503 beyond it), ``trace`` is a JSON-lines step trace file, ``shutdown_timeout`` (>= 0)
-    bounds the drain, ``allowed_origins`` are the origins browsers may call from (CORS)."""
+    bounds the drain, ``allowed_origins`` are the origins browsers may call from (CORS), ``api_key``
+    the bearer token ``/v1`` routes need; ``tool_call_parser``, if given, must be the format the
+    model's chat template uses (``tools.pick_parser``)."""
     if max_waiting is not None and max_waiting < 1:
         print("--max-waiting must be >= 1", file=sys.stderr)
         return 2
@@ -49,6 +54,11 @@ def serve(
         print("--shutdown-timeout must be >= 0", file=sys.stderr)
         return 2
     engine = Engine.from_engine_args(args)
+    picked = pick_parser(getattr(engine.tokenizer, "chat_template", None))
+    if tool_call_parser not in (None, picked):
+        msg = f"--tool-call-parser {tool_call_parser}: this model's chat template calls tools as {picked}"
+        print(msg, file=sys.stderr)
+        return 2
     name = served_model_name or args.model
     cfg = engine.scheduler.config
     metrics = Metrics(cfg, name)
@@ -65,7 +75,7 @@ def serve(
     async_engine = AsyncEngine(
         engine, metrics=metrics, trace=writer, max_waiting=max_waiting, on_dead=on_dead
     )
-    app = build_app(async_engine, name, allowed_origins)
+    app = build_app(async_engine, name, allowed_origins, api_key)
     print(
         f"ferryman: serving {name!r} on http://{host}:{port} ({cfg.num_device_blocks} device KV blocks, "
         f"{cfg.num_host_blocks} host, mode {cfg.preemption_mode})",

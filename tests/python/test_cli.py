@@ -268,6 +268,8 @@ def test_serve_reads_vllms_spellings(
     assert main(["serve", "--allowed-origins", "http://a.example", "http://c.example"]) == 0
     assert seen["allowed_origins"] == ["http://a.example", "http://c.example"]
     assert seen["args"].enable_prefix_caching is True
+    assert main(["serve", "--chat-template", "{{ messages[0]['content'] }}"]) == 0
+    assert seen["chat_template"] == "{{ messages[0]['content'] }}"
     assert main(["serve", "a", "--model", "b"]) == 2
     assert "two models given: 'a' and --model 'b'" in capsys.readouterr().err
     assert main(["serve", "--allowed-origins", '["x", 1]']) == 2
@@ -275,6 +277,16 @@ def test_serve_reads_vllms_spellings(
     with pytest.raises(SystemExit) as e:  # a typo failed after the model loaded, with a traceback
         main(["serve", "--log-level", "bogus"])
     assert e.value.code == 2 and "invalid choice: 'bogus'" in capsys.readouterr().err
+
+
+def test_a_chat_template_flag_is_a_file_or_the_template(tmp_path: Path) -> None:
+    from ferryman.server.run import template_text
+
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    assert template_text(str(f)) == f.read_text()
+    assert template_text("{{ messages }}") == "{{ messages }}"
+    assert template_text(str(tmp_path / "missing.jinja")) == str(tmp_path / "missing.jinja")
 
 
 def test_ferryman_runs_without_ray_and_what_needs_ray_says_so() -> None:

@@ -75,6 +75,11 @@ def register(sub: Any) -> None:
         "every origin, so any web page may call this server; none given: no CORS headers)",
     )
     s.add_argument(
+        "--chat-template",
+        default=None,
+        help="a chat template file, or the template itself, in place of the model's (vLLM's flag)",
+    )
+    s.add_argument(
         "--api-key",
         default=os.environ.get("FERRYMAN_API_KEY") or os.environ.get("VLLM_API_KEY"),
         help="every /v1 route needs 'Authorization: Bearer KEY' (default: $FERRYMAN_API_KEY, else "
@@ -156,6 +161,7 @@ def run(a: argparse.Namespace) -> int:
         allowed_origins=a.allowed_origins,
         api_key=a.api_key,
         tool_call_parser=a.tool_call_parser,
+        chat_template=a.chat_template,
     )
 
 
@@ -163,8 +169,8 @@ def _run_ray(a: argparse.Namespace) -> int:
     if a.trace is not None:
         print("ferryman serve: error: --trace is not supported with --ray", file=sys.stderr)
         return 2
-    if a.api_key is not None or a.tool_call_parser is not None:
-        return _error("--api-key and --tool-call-parser are not supported with --ray")
+    if a.api_key is not None or a.tool_call_parser is not None or a.chat_template is not None:
+        return _error("--api-key, --tool-call-parser and --chat-template are not supported with --ray")
     if a.allowed_origins != ["*"]:
         print(
             "ferryman serve: error: --allowed-origins is not supported with --ray (replicas allow *)",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -40,13 +41,15 @@ def serve(
     allowed_origins: Sequence[str] = ("*",),
     api_key: str | None = None,
     tool_call_parser: str | None = None,
+    chat_template: str | None = None,
 ) -> int:
     """Serves until a signal (exit status 0 once drained) or the engine's death (1);
     ``served_model_name`` defaults to ``args.model``, ``max_waiting`` (>= 1) bounds the waiting
     queue (503 beyond it), ``trace`` is a JSON-lines step trace file, ``shutdown_timeout`` (>= 0)
     bounds the drain, ``allowed_origins`` are the origins browsers may call from (CORS), ``api_key``
     the bearer token ``/v1`` routes need; ``tool_call_parser``, if given, must be the format the
-    model's chat template uses (``tools.pick_parser``)."""
+    model's chat template uses (``tools.pick_parser``); ``chat_template`` (a file, or the template
+    itself, as vLLM's ``--chat-template``) replaces the model's."""
     if max_waiting is not None and max_waiting < 1:
         print("--max-waiting must be >= 1", file=sys.stderr)
         return 2
@@ -54,6 +57,11 @@ def serve(
         print("--shutdown-timeout must be >= 0", file=sys.stderr)
         return 2
     engine = Engine.from_engine_args(args)
+    if chat_template is not None:
+        if engine.tokenizer is None:
+            print("--chat-template: this model has no tokenizer", file=sys.stderr)
+            return 2
+        engine.tokenizer.chat_template = template_text(chat_template)
     picked = pick_parser(getattr(engine.tokenizer, "chat_template", None))
     if tool_call_parser not in (None, picked):
         msg = f"--tool-call-parser {tool_call_parser}: this model's chat template calls tools as {picked}"
@@ -86,6 +94,12 @@ def serve(
     server = _DrainingServer(config, async_engine, shutdown_timeout)
     server.run()
     return 1 if died else 0
+
+
+def template_text(given: str) -> str:
+    """``--chat-template``: the text of the file it names, else the template it is."""
+    path = Path(given)
+    return path.read_text() if len(given) < 4096 and "\n" not in given and path.is_file() else given
 
 
 class _DrainingServer(uvicorn.Server):

@@ -139,8 +139,12 @@ class OutputProcessor:
                     if reasons[i] is not None:  # known finished, should the request fail later
                         st.outputs[k].finish_reason = reasons[i]
                     o = CompletionOutput(k, texts[i], [tok], reasons[i])
-                    if lp is not None:
+                    if lp is not None:  # the sum stays a running one (vLLM's), kept on the sequence
                         _add_logprob(o, lp, tok)
+                        run = st.outputs[k]
+                        o.cumulative_logprob = run.cumulative_logprob = (run.cumulative_logprob or 0.0) + lp[
+                            tok
+                        ]
                     deltas.setdefault(rid, []).append(o)
                     touched[rid] = st
                 elif lp is not None:

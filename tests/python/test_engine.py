@@ -346,6 +346,11 @@ def test_logprobs_report_the_sampled_token_and_the_top_n(models: dict[str, Path]
     )
     plain = eng.generate([PROMPTS[1]], GREEDY)[0].outputs[0]
     assert plain.logprobs is None and plain.token_ids[:5] == out.token_ids
+    # streamed as deltas, each output's cumulative_logprob is the running sum so far (vLLM's)
+    eng.add_request("d", PROMPTS[1], dataclasses.replace(sp, output_kind="delta"))
+    sums = [o.outputs[0].cumulative_logprob for _ in range(9) for o in eng.step().outputs]
+    running = np.cumsum([lp[t] for t, lp in zip(out.token_ids, out.logprobs, strict=True)])
+    assert sums == pytest.approx(running.tolist(), abs=1e-6)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -268,6 +268,8 @@ def test_serve_reads_vllms_spellings(
     assert main(["serve", "--allowed-origins", "http://a.example", "http://c.example"]) == 0
     assert seen["allowed_origins"] == ["http://a.example", "http://c.example"]
     assert seen["args"].enable_prefix_caching is True
+    assert main(["serve", "--served-model-name", "a", "b"]) == 0
+    assert seen["served_model_name"] == ["a", "b"]
     assert main(["serve", "--chat-template", "{{ messages[0]['content'] }}"]) == 0
     assert seen["chat_template"] == "{{ messages[0]['content'] }}"
     assert main(["serve", "a", "--model", "b"]) == 2

@@ -15,6 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 from tiny_models import build
 
+import ferryman
 from ferryman import Engine
 from ferryman.chat_template import render
 from ferryman.server.app import build_app
@@ -87,6 +88,19 @@ def test_browsers_may_call_from_the_allowed_origins(client: TestClient, engine: 
         assert ok.headers["access-control-allow-origin"] == "http://ok.example"
     with TestClient(closed) as c:
         assert "access-control-allow-origin" not in c.get("/v1/models", headers=ask).headers
+
+
+def test_further_served_names_version_and_ping(engine: Engine) -> None:
+    """vLLM's several --served-model-name (any may be asked for; answers carry the first),
+    GET /version and /ping (GET and POST: what /health answers)."""
+    with TestClient(build_app(AsyncEngine(engine), "tiny", aliases=["alias"])) as c:
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["tiny", "alias"]
+        r = c.post("/v1/completions", json={"model": "alias", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == "tiny"
+        assert c.get("/v1/models/alias").json()["id"] == "alias"
+        assert c.post("/v1/completions", json={"model": "other", "prompt": "hi"}).status_code == 404
+        assert c.get("/version").json()["version"] == ferryman.__version__
+        assert c.get("/ping").json() == c.post("/ping").json() == {"status": "ok"}
 
 
 def test_an_api_key_guards_the_v1_routes(engine: Engine) -> None:

@@ -60,7 +60,12 @@ def register(sub: Any) -> None:
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     s.add_argument("--port", type=_port, default=8000, help="port to listen on (default: 8000)")
-    s.add_argument("--served-model-name", default=None, help="the name clients ask for (default: --model)")
+    s.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="the names clients may ask for; answers carry the first (default: --model)",
+    )
     s.add_argument("--max-waiting", type=int, default=None, help="answer 503 once this many requests wait")
     s.add_argument("--trace", default=None, help="write one JSON line per step and preemption to this file")
     s.add_argument(
@@ -169,6 +174,9 @@ def _run_ray(a: argparse.Namespace) -> int:
     if a.trace is not None:
         print("ferryman serve: error: --trace is not supported with --ray", file=sys.stderr)
         return 2
+    if a.served_model_name is not None and len(a.served_model_name) > 1:
+        return _error("several --served-model-name are not supported with --ray")
+    a.served_model_name = a.served_model_name and a.served_model_name[0]
     if a.api_key is not None or a.tool_call_parser is not None or a.chat_template is not None:
         return _error("--api-key, --tool-call-parser and --chat-template are not supported with --ray")
     if a.allowed_origins != ["*"]:

@@ -24,6 +24,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ferryman._core import __version__
 from ferryman.sampling_params import SamplingParams
 from ferryman.server import handling, responses
 from ferryman.server import protocol as api
@@ -46,10 +47,14 @@ def build_app(
     served_model_name: str,
     allowed_origins: Sequence[str] = ("*",),
     api_key: str | None = None,
+    aliases: Sequence[str] = (),
 ) -> FastAPI:
     """The API over ``engine``; browsers on ``allowed_origins`` may call it (CORS, vLLM's default:
     every origin, no credentials; none: no CORS headers). With ``api_key``, every ``/v1`` route
-    needs ``Authorization: Bearer <api_key>`` (401 otherwise), as vLLM's ``--api-key``."""
+    needs ``Authorization: Bearer <api_key>`` (401 otherwise), as vLLM's ``--api-key``. Requests
+    may name the model ``served_model_name`` or one of its ``aliases`` (vLLM's further served
+    names); answers carry the first."""
+    names = [served_model_name, *aliases]
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -83,7 +88,7 @@ def build_app(
         return str(tokenizer.decode([t])) if tokenizer is not None else str(t)
 
     def check_model(model: str | None) -> None:
-        if model is not None and model != served_model_name:
+        if model is not None and model not in names:
             raise ApiError(
                 404,
                 f"The model `{model}` does not exist.",
@@ -133,18 +138,29 @@ def build_app(
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    async def ping() -> Response:
+        """vLLM's (SageMaker's) liveness route: what ``/health`` answers."""
+        return await health()
+
+    for method in ("GET", "POST"):  # one operation each (one id for both is a duplicate)
+        app.add_api_route("/ping", ping, methods=[method], operation_id=f"ping_{method.lower()}")
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
     vocab = engine.engine.model.cfg.vocab_size
     add_tokenizer_routes(app, tokenizer, vocab, max_model_len, check_model, engine.offload)
 
     @app.get("/v1/models", responses=ERRORS)
     async def models() -> api.ModelList:
-        return api.ModelList(data=[api.ModelCard(id=served_model_name, max_model_len=max_model_len)])
+        return api.ModelList(data=[api.ModelCard(id=n, max_model_len=max_model_len) for n in names])
 
     @app.get("/v1/models/{model:path}", responses=ERRORS)  # a served name may hold slashes
     async def model(model: str) -> api.ModelCard:
         """OpenAI's model retrieval: the served model's card, else 404."""
         check_model(model)
-        return api.ModelCard(id=served_model_name, max_model_len=max_model_len)
+        return api.ModelCard(id=model, max_model_len=max_model_len)
 
     @app.get(
         "/metrics",

@@ -33,7 +33,7 @@ def serve(
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
-    served_model_name: str | None = None,
+    served_model_name: str | Sequence[str] | None = None,
     max_waiting: int | None = None,
     trace: str | None = None,
     log_level: str = "info",
@@ -44,7 +44,8 @@ def serve(
     chat_template: str | None = None,
 ) -> int:
     """Serves until a signal (exit status 0 once drained) or the engine's death (1);
-    ``served_model_name`` defaults to ``args.model``, ``max_waiting`` (>= 1) bounds the waiting
+    ``served_model_name`` (one name, or several: requests may use any, answers carry the first)
+    defaults to ``args.model``, ``max_waiting`` (>= 1) bounds the waiting
     queue (503 beyond it), ``trace`` is a JSON-lines step trace file, ``shutdown_timeout`` (>= 0)
     bounds the drain, ``allowed_origins`` are the origins browsers may call from (CORS), ``api_key``
     the bearer token ``/v1`` routes need; ``tool_call_parser``, if given, must be the format the
@@ -67,7 +68,8 @@ def serve(
         msg = f"--tool-call-parser {tool_call_parser}: this model's chat template calls tools as {picked}"
         print(msg, file=sys.stderr)
         return 2
-    name = served_model_name or args.model
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+    name = names[0] if names else args.model
     cfg = engine.scheduler.config
     metrics = Metrics(cfg, name)
     writer = TraceWriter(trace) if trace else None
@@ -83,7 +85,7 @@ def serve(
     async_engine = AsyncEngine(
         engine, metrics=metrics, trace=writer, max_waiting=max_waiting, on_dead=on_dead
     )
-    app = build_app(async_engine, name, allowed_origins, api_key)
+    app = build_app(async_engine, name, allowed_origins, api_key, aliases=names[1:])
     print(
         f"ferryman: serving {name!r} on http://{host}:{port} ({cfg.num_device_blocks} device KV blocks, "
         f"{cfg.num_host_blocks} host, mode {cfg.preemption_mode})",

@@ -38,6 +38,10 @@ def test_generate_streamed_equals_plain(model_dir: Path) -> None:
     plain = ferryman(*args)
     assert plain.startswith("Hello") and plain.endswith("\n")
     assert ferryman(*args, "--stream") == plain
+    # a prompt that is not valid Unicode (bytes in argv) is refused before anything is echoed
+    bad = [sys.executable, "-m", "ferryman", "generate", b"hi\xff", *args[2:], "--stream"]
+    p = subprocess.run(bad, capture_output=True, timeout=120)
+    assert p.returncode == 2 and p.stdout == b"" and b"not valid Unicode text" in p.stderr, p.stderr
 
 
 def test_generate_chat_applies_the_template_and_an_empty_output_is_said(model_dir: Path) -> None:

@@ -114,8 +114,9 @@ def run_generate(a: argparse.Namespace) -> int:
         prompts = [engine.render_chat(m)[1] for m in msgs]  # as Engine.chat sends them
     if a.stream:
         for shown, prompt in zip(a.prompt, prompts, strict=True):
+            deltas = stream(engine, prompt, params)  # a refused prompt is said before it is echoed
             sys.stdout.write("" if a.chat else shown)
-            for delta in stream(engine, prompt, params):
+            for delta in deltas:
                 sys.stdout.write(delta)
                 sys.stdout.flush()
             sys.stdout.write("\n")
@@ -135,10 +136,15 @@ def run_generate(a: argparse.Namespace) -> int:
 def stream(engine: Engine, prompt: str | list[int], params: SamplingParams) -> Iterator[str]:
     """Yields the text of one request as the engine steps (the core holds back a possible stop
     string until it is decided). As ``generate`` does, a ``max_tokens`` past ``max_model_len``
-    is cut to the room the prompt leaves; a request left unfinished (Ctrl-C) is aborted."""
+    is cut to the room the prompt leaves; a request left unfinished (Ctrl-C) is aborted. The
+    request is added (or refused) on the call, before the first delta is asked for."""
     _, ids = engine.tokenize(prompt)
     params = dataclasses.replace(engine._fit(params, ids), output_kind="delta")
     engine.add_request("cli", prompt, params, prompt_token_ids=ids)
+    return _deltas(engine)
+
+
+def _deltas(engine: Engine) -> Iterator[str]:
     try:
         while engine.has_unfinished_requests():
             for ro in engine.step().outputs:

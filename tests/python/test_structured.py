@@ -268,14 +268,15 @@ def test_gbnf_grammars_are_rewritten_to_lark_and_followed(model: Path) -> None:
     lark = to_lark(GBNF)
     assert lark.splitlines() == [
         'start: r_letters "-" r_digit r_digit',
-        "r_letters: /[a-c]/{2,4}",
-        "r_digit: /[0-9]/",
+        "r_letters: /[\\x{61}-\\x{63}]/{2,4}",
+        "r_digit: /[\\x{30}-\\x{39}]/",
     ]
     assert to_lark(LARK) == LARK  # Lark stays as it is
-    assert to_lark('root ::= "a::=b" | [\\]x]') == 'start: "a::=b" | /[\\]x]/\n'
+    assert to_lark('root ::= "a::=b" | [\\]x]') == 'start: "a::=b" | /[\\x{5d}\\x{78}]/\n'
     for bad, said in (
         ('root ::= "open', "literal at character 9 is not closed"),
         ("root ::= a {x}", "repeat"),
+        ('root ::= "\\q"', "unknown escape at character 10"),
     ):
         with pytest.raises(ValueError, match=said):
             to_lark(bad)
@@ -286,3 +287,14 @@ def test_gbnf_grammars_are_rewritten_to_lark_and_followed(model: Path) -> None:
         )
         for res in eng.generate(PROMPTS, sp):
             assert re.fullmatch(REGEX, res.outputs[0].text), res.outputs[0].text
+    # llama.cpp's escapes in literals and classes, class members that are regex syntax elsewhere
+    # ([, &&, ~~), and rule names that differ only in case (each was refused or went wrong)
+    for gbnf, pattern in (
+        ('root ::= "\\[" [a-z] "\\]" "a\\-b" "\\U0001F600"', r"\[[a-z]\]a-b\U0001F600"),
+        ('root ::= [[{] [a&&b] [~~] [^\\x00-\\x1f"\\]]', r'[\[{][a&b]~[^\x00-\x1f"\]]'),
+        ('root ::= Item item\nItem ::= "X"\nitem ::= "y"', "Xy"),
+    ):
+        sp = SamplingParams(temperature=0.9, seed=5, max_tokens=16, structured_outputs=SO(grammar=gbnf))
+        for res in eng.generate(PROMPTS[:2], sp):
+            o = res.outputs[0]
+            assert o.finish_reason == "stop" and re.fullmatch(pattern, o.text), (gbnf, o.text)

@@ -103,10 +103,30 @@ def test_required_keeps_each_tools_defs_resolvable() -> None:
     ]
     so = constraint(ts, "required")
     assert so is not None and isinstance(so.json, dict)
-    assert set(so.json["$defs"]) == {"a__Loc", "b__Loc"}
+    assert set(so.json["$defs"]) == {"a", "a__Loc", "b", "b__Loc"}
     jsonschema.validate([{"name": "a", "parameters": {"at": {"city": "Oslo"}}}], so.json)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "a", "parameters": {"at": {"city": 3}}}], so.json)
+    # a reference to the parameters' own root, or into their properties, follows them too (it
+    # pointed into the list of calls: the wrong language, or a 400)
+    kids = {"type": "array", "items": {"$ref": "#"}}
+    tree = {"type": "object", "properties": {"v": {"type": "integer"}, "kids": kids}, "required": ["v"]}
+    tree["additionalProperties"] = False
+    ptr = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"$ref": "#/properties/a"}}}
+    ts = [
+        Tool.model_validate({"type": "function", "function": {"name": n, "parameters": p}})
+        for n, p in (("tree", tree), ("ptr", ptr))
+    ]
+    so = constraint(ts, "required")
+    assert so is not None and isinstance(so.json, dict)
+    jsonschema.validate([{"name": "tree", "parameters": {"v": 1, "kids": [{"v": 2, "kids": []}]}}], so.json)
+    jsonschema.validate([{"name": "ptr", "parameters": {"a": 1, "b": 2}}], so.json)
+    for bad in (
+        {"name": "tree", "parameters": {"v": 1, "kids": [[{"name": "tree"}]]}},
+        {"name": "ptr", "parameters": {"b": "x"}},
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([bad], so.json)
 
 
 def test_a_tag_prefix_is_held_until_it_is_not_a_tag() -> None:

@@ -122,24 +122,30 @@ def constraint(
 
 
 def _hoist(schema: dict[str, Any], tool: str, defs: dict[str, Any]) -> dict[str, Any]:
-    """``schema`` nested under the list of calls: its ``$defs`` / ``definitions`` move to the root
-    as ``{tool}__{name}`` and its local references follow them (a nested ``#/$defs/...`` would
-    not resolve)."""
-    local = {**schema.get("definitions", {}), **schema.get("$defs", {})}
-    if not local:
+    """``schema`` nested under the list of calls, where its local references (``#...``) would
+    point into the calls' schema instead: a schema that has any moves to the root's ``$defs`` as
+    ``{tool}``, its ``$defs`` / ``definitions`` as ``{tool}__{name}``, and every local reference
+    follows (``#`` itself, ``#/$defs/x/...``, ``#/properties/...``); it is then a reference."""
+    text = json.dumps(schema)
+    if '"$ref": "#' not in text:
         return schema
-    renamed = {f"#/{kind}/{k}": f"#/$defs/{tool}__{k}" for kind in ("$defs", "definitions") for k in local}
+    local = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+
+    def ref(r: str) -> str:
+        parts = r.removeprefix("#").split("/")  # "", kind, name, rest...
+        if len(parts) >= 3 and parts[1] in ("$defs", "definitions") and parts[2] in local:
+            return "/".join([f"#/$defs/{tool}__{parts[2]}", *parts[3:]])
+        return f"#/$defs/{tool}" + r.removeprefix("#").rstrip("/") if r.startswith("#") else r
 
     def walk(v: Any) -> Any:
         if isinstance(v, dict):
-            return {
-                k: renamed.get(x, x) if k == "$ref" and isinstance(x, str) else walk(x) for k, x in v.items()
-            }
+            return {k: ref(x) if k == "$ref" and isinstance(x, str) else walk(x) for k, x in v.items()}
         return [walk(x) for x in v] if isinstance(v, list) else v
 
     for k, d in local.items():
         defs[f"{tool}__{k}"] = walk(d)
-    return {k: walk(v) for k, v in schema.items() if k not in ("$defs", "definitions")}
+    defs[tool] = {k: walk(v) for k, v in schema.items() if k not in ("$defs", "definitions")}
+    return {"$ref": f"#/$defs/{tool}"}
 
 
 def hermes_system(tools: list[Tool]) -> str:

@@ -120,6 +120,17 @@ def test_an_api_key_guards_the_v1_routes(engine: Engine) -> None:
         assert c.get("/health").status_code == 200
 
 
+def test_a_content_part_that_is_not_text_is_refused_in_one_sentence(client: TestClient) -> None:
+    for part in (
+        {"type": "image_url", "image_url": {"url": "http://x.example/a.png"}},
+        {"type": "input_audio"},
+    ):
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [part]}]})
+        said = "messages.0.content: Value error, only text content parts are supported, got a part of type "
+        said += repr(part["type"])
+        assert r.status_code == 400 and r.json()["error"]["message"] == said
+
+
 def test_the_developer_role_is_the_system_message(client: TestClient) -> None:
     def count(role: str) -> list[int]:
         msgs = [{"role": role, "content": "be brief"}, *HI]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from ferryman.chat_template import developer_as_system, open_final_message, tag_final_message
 from ferryman.server import tools
@@ -31,6 +31,16 @@ class ChatMessage(Body):
     tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v: Any) -> Any:
+        """A part of another type (an image, audio) in one sentence, not the union's every miss."""
+        for part in v if isinstance(v, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"only text content parts are supported, got a part of type {kind!r}")
+        return v
 
     def text(self) -> str:
         if isinstance(self.content, list):

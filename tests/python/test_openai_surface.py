@@ -32,6 +32,14 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
 
 
 @pytest.fixture(scope="module")
+def spare(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    """An engine of its own for apps that generate beside ``client``'s: two engine threads must
+    never step one Engine."""
+    path = build("llama", tmp_path_factory.mktemp("spare"), tokenizer=True)
+    return Engine(str(path), block_size=4, num_device_blocks=64, calibrate=False)
+
+
+@pytest.fixture(scope="module")
 def client(engine: Engine) -> Iterator[TestClient]:
     with TestClient(build_app(AsyncEngine(engine), "tiny")) as c:
         yield c
@@ -90,10 +98,10 @@ def test_browsers_may_call_from_the_allowed_origins(client: TestClient, engine: 
         assert "access-control-allow-origin" not in c.get("/v1/models", headers=ask).headers
 
 
-def test_further_served_names_version_and_ping(engine: Engine) -> None:
+def test_further_served_names_version_and_ping(spare: Engine) -> None:
     """vLLM's several --served-model-name (any may be asked for; answers carry the first),
     GET /version and /ping (GET and POST: what /health answers)."""
-    with TestClient(build_app(AsyncEngine(engine), "tiny", aliases=["alias"])) as c:
+    with TestClient(build_app(AsyncEngine(spare), "tiny", aliases=["alias"])) as c:
         assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["tiny", "alias"]
         r = c.post("/v1/completions", json={"model": "alias", "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 200 and r.json()["model"] == "tiny"
@@ -103,10 +111,10 @@ def test_further_served_names_version_and_ping(engine: Engine) -> None:
         assert c.get("/ping").json() == c.post("/ping").json() == {"status": "ok"}
 
 
-def test_an_api_key_guards_the_v1_routes(engine: Engine) -> None:
+def test_an_api_key_guards_the_v1_routes(spare: Engine) -> None:
     """vLLM's --api-key: /v1 needs the bearer token (401 in OpenAI's body otherwise, with CORS
     headers so a browser can read it); the other routes (/health, /tokenize, ...) stay open."""
-    app = build_app(AsyncEngine(engine), "tiny", api_key="s3cret")
+    app = build_app(AsyncEngine(spare), "tiny", api_key="s3cret")
     body = {"prompt": "hi", "max_tokens": 2}
     with TestClient(app) as c:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):

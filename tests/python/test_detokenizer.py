@@ -35,15 +35,14 @@ def sentencepiece() -> Any:
     return sentencepiece_tokenizer(clean_up_tokenization_spaces=False)
 
 
-def run(
-    tokenizer: Any, ids: list[int], stop: list[str] | None = None, prompt: list[int] | None = None
-) -> tuple[list[str], str, str, list[int]]:
+def feed(
+    tokenizer: Any, ids: list[int], params: RequestParams, prompt: list[int] | None = None
+) -> tuple[list[str], Any]:
     """Feeds ``ids`` one per step to a request of a bare scheduler (its prompt: ``prompt``, by
-    default token 1, a special token of the SentencePiece tokenizer): its deltas, final text,
-    finish reason and output tokens."""
+    default token 1, a special token of the SentencePiece tokenizer) until it finishes: its
+    deltas, and the step outputs it finished in."""
     s = Scheduler(SchedulerConfig(block_size=16, num_device_blocks=64, max_num_seqs=4, max_model_len=1024))
     s.set_tokenizer(tokenizer.backend_tokenizer.to_str())
-    params = RequestParams(len(ids), ignore_eos=True, detokenize=True, stop=stop or [])
     s.add_request(0, prompt or [1], params)
     deltas = []
     for t in ids:
@@ -52,8 +51,18 @@ def run(
         deltas.append(res.deltas[0])
         if res.finish_reasons[0] is not None:
             assert res.finished_rows.tolist() == [0]
-            return deltas, res.output_texts[0], res.finish_reasons[0], res.output_token_ids.tolist()
-    raise AssertionError("the request did not finish at max_tokens")
+            return deltas, res
+    raise AssertionError("the request did not finish")
+
+
+def run(
+    tokenizer: Any, ids: list[int], stop: list[str] | None = None, prompt: list[int] | None = None
+) -> tuple[list[str], str, str, list[int]]:
+    """``feed`` at ``max_tokens`` = ``len(ids)``, EOS ignored: its deltas, final text, finish
+    reason and output tokens."""
+    params = RequestParams(len(ids), ignore_eos=True, detokenize=True, stop=stop or [])
+    deltas, res = feed(tokenizer, ids, params, prompt)
+    return deltas, res.output_texts[0], res.finish_reasons[0], res.output_token_ids.tolist()
 
 
 def reference(tokenizer: Any, ids: list[int], stop: list[str]) -> tuple[str, int]:
@@ -170,20 +179,9 @@ def test_a_stop_tokens_text_is_output_only_with_include_stop_str_in_output(
     want = tok.decode(upto, skip_special_tokens=True)
 
     def text(**kw: Any) -> tuple[str, str, list[str]]:
-        s = Scheduler(
-            SchedulerConfig(block_size=16, num_device_blocks=64, max_num_seqs=4, max_model_len=1024)
-        )
-        s.set_tokenizer(tok.backend_tokenizer.to_str())
-        s.add_request(0, [1], RequestParams(len(ids), detokenize=True, **kw))
-        deltas = []
-        for t in ids:
-            s.schedule()
-            res = s.update(np.array([t], np.int32))
-            deltas.append(res.deltas[0])
-            if res.finish_reasons[0] is not None:
-                assert res.output_token_ids.tolist() == upto and "".join(deltas) == res.output_texts[0]
-                return res.output_texts[0], res.finish_reasons[0], res.stop_string_indices.tolist()
-        raise AssertionError("no stop")
+        deltas, res = feed(tok, ids, RequestParams(len(ids), detokenize=True, **kw))
+        assert res.output_token_ids.tolist() == upto and "".join(deltas) == res.output_texts[0]
+        return res.output_texts[0], res.finish_reasons[0], res.stop_string_indices.tolist()
 
     for how in ({"stop_token_ids": [nl]}, {"eos_token_ids": [nl]}):
         assert text(**how) == (want.removesuffix("\n"), "stop", [-1])

@@ -139,12 +139,10 @@ class OutputProcessor:
                     if reasons[i] is not None:  # known finished, should the request fail later
                         st.outputs[k].finish_reason = reasons[i]
                     o = CompletionOutput(k, texts[i], [tok], reasons[i])
-                    if lp is not None:  # the sum stays a running one (vLLM's), kept on the sequence
-                        _add_logprob(o, lp, tok)
+                    if lp is not None:  # the sum is a running one (vLLM's), kept on the sequence
                         run = st.outputs[k]
-                        o.cumulative_logprob = run.cumulative_logprob = (run.cumulative_logprob or 0.0) + lp[
-                            tok
-                        ]
+                        run.cumulative_logprob = (run.cumulative_logprob or 0.0) + lp[tok]
+                        o.logprobs, o.cumulative_logprob = [lp], run.cumulative_logprob
                     deltas.setdefault(rid, []).append(o)
                     touched[rid] = st
                 elif lp is not None:

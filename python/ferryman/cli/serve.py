@@ -142,16 +142,13 @@ def run(a: argparse.Namespace) -> int:
     except ValueError as e:
         return _error(str(e))
     if a.data_parallel_size < 1:
-        print("ferryman serve: error: --data-parallel-size must be >= 1", file=sys.stderr)
-        return 2
+        return _error("--data-parallel-size must be >= 1")
     if a.ray:
         return _run_ray(a)
     if a.data_parallel_size > 1:
-        print("ferryman serve: error: --data-parallel-size > 1 needs --ray", file=sys.stderr)
-        return 2
+        return _error("--data-parallel-size > 1 needs --ray")
     if a.routing != "load":
-        print("ferryman serve: error: --routing prefix needs --ray", file=sys.stderr)
-        return 2
+        return _error("--routing prefix needs --ray")
     from ferryman.server.run import serve
 
     return serve(
@@ -172,24 +169,18 @@ def run(a: argparse.Namespace) -> int:
 
 def _run_ray(a: argparse.Namespace) -> int:
     if a.trace is not None:
-        print("ferryman serve: error: --trace is not supported with --ray", file=sys.stderr)
-        return 2
+        return _error("--trace is not supported with --ray")
     if a.served_model_name is not None and len(a.served_model_name) > 1:
         return _error("several --served-model-name are not supported with --ray")
     a.served_model_name = a.served_model_name and a.served_model_name[0]
     if a.api_key is not None or a.tool_call_parser is not None or a.chat_template is not None:
         return _error("--api-key, --tool-call-parser and --chat-template are not supported with --ray")
     if a.allowed_origins != ["*"]:
-        print(
-            "ferryman serve: error: --allowed-origins is not supported with --ray (replicas allow *)",
-            file=sys.stderr,
-        )
-        return 2
+        return _error("--allowed-origins is not supported with --ray (replicas allow *)")
     try:
         from ferryman.server.ray_serve import serve_replicas
     except ImportError as e:
-        print(f"ferryman serve: error: --ray needs ray[serve] ({e})", file=sys.stderr)
-        return 2
+        return _error(f"--ray needs ray[serve] ({e})")
     return serve_replicas(
         from_cli(EngineArgs, a),
         num_replicas=a.data_parallel_size,

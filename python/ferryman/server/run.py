@@ -63,7 +63,8 @@ def serve(
             print("--chat-template: this model has no tokenizer", file=sys.stderr)
             return 2
         engine.tokenizer.chat_template = template_text(chat_template)
-    picked = pick_parser(getattr(engine.tokenizer, "chat_template", None))
+    template = getattr(engine.tokenizer, "chat_template", None)
+    picked = pick_parser(template if isinstance(template, str) else None)  # as the chat route picks
     if tool_call_parser not in (None, picked):
         msg = f"--tool-call-parser {tool_call_parser}: this model's chat template calls tools as {picked}"
         print(msg, file=sys.stderr)

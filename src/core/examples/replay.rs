@@ -9,6 +9,9 @@
 //! as a model forward on the CPU would, so the core's state is cold in the caches when the next
 //! call starts (8192 evicts this machine kind's L2; 256 its L1 under cachegrind's simulation).
 //!
+//! `FERRYMAN_REPLAY_PREFIX_CACHING=0` turns prefix caching off (on by default, as in the engine),
+//! to see what it costs.
+//!
 //! Uses mimalloc, the allocator the Python extension uses.
 
 #[global_allocator]
@@ -58,6 +61,7 @@ fn main() {
         max_num_seqs: 256,
         max_model_len: trace.iter().map(|r| (r[2] + r[3]) as usize).max().unwrap_or(1),
         preemption_mode: PreemptionModeConfig::Recompute,
+        enable_prefix_caching: std::env::var("FERRYMAN_REPLAY_PREFIX_CACHING").map_or(true, |v| v != "0"),
         ..SchedulerConfig::default()
     };
     // default: every request fits at once, as in sched_overhead.py

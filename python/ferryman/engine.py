@@ -219,7 +219,7 @@ class Engine(FaultsMixin, OfflineMixin):
             plan = self._plan()
             try:
                 sampled = self._worker.run(plan, self._sampling.args(plan))
-            except Exception as e:
+            except BaseException as e:  # Ctrl-C too: the core's step must be closed
                 return self._step_failed(plan, e)
             return self._apply(plan, sampled)
         while True:
@@ -229,19 +229,19 @@ class Engine(FaultsMixin, OfflineMixin):
             self._inflight = nxt  # core ids released while applying `prev` wait for `nxt`
             if nxt is not None:
                 args = self._sampling.args(nxt.plan)
-            error: Exception | None = None
+            error: BaseException | None = None
             if prev is None:  # nothing to apply yet: fill the pipeline
                 assert nxt is not None
                 try:
                     nxt.sampled = self._worker.run(nxt.plan, args)
-                except Exception as e:
+                except BaseException as e:
                     return self._inflight_failed(e)
                 continue
             if nxt is not None and self._applier is not None:  # CPU: apply beside the forward
                 applied = self._applier.submit(self._apply, prev.plan, prev.sampled)
                 try:
                     nxt.sampled = self._worker.run(nxt.plan, args)
-                except Exception as e:
+                except BaseException as e:
                     error = e
                 finally:
                     result = applied.result()
@@ -249,14 +249,12 @@ class Engine(FaultsMixin, OfflineMixin):
                 if nxt is not None:
                     try:
                         nxt.sampled = self._worker.run(nxt.plan, args)
-                    except Exception as e:
+                    except BaseException as e:
                         error = e
                 result = self._apply(prev.plan, prev.sampled)
             self._free_ids.extend(prev.release)
             if error is not None:  # `prev` is applied: `nxt` is the core's only pending step
-                failed = self._inflight_failed(error)
-                result.outputs.extend(failed.outputs)
-                result.preemptions.extend(failed.preemptions)
+                return self._inflight_failed(error, result)
             return result
 
     def _plan(self) -> Any:

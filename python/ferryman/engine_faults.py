@@ -34,6 +34,7 @@ class FaultsMixin:
         _free_ids: list[int]
         _failures: deque[float]
         _events: dict[int, list[PreemptionEvent]]
+        _held: list[RequestOutput]
 
         runner: Any
         dead: BaseException | None
@@ -49,28 +50,43 @@ class FaultsMixin:
         if self.dead is None:
             self.dead = EngineDeadError("the engine was shut down")
 
-    def _inflight_failed(self, error: Exception) -> StepResult:
-        """The planned step raised while it ran: fails it; no step is left in flight."""
+    def _inflight_failed(self, error: BaseException, done: StepResult | None = None) -> StepResult:
+        """The planned step raised while it ran: fails it; no step is left in flight. ``done``:
+        the step applied beside it, whose result this one's failures join."""
         failed = self._inflight
         assert failed is not None
         self._inflight = None
         self._free_ids.extend(failed.release)
-        return self._step_failed(failed.plan, error)
+        if done is not None and not isinstance(error, Exception):
+            self._held.extend(done.outputs)  # interrupted: re-raised below, handed out later
+        res = self._step_failed(failed.plan, error)
+        if done is None:
+            return res
+        done.outputs.extend(res.outputs)
+        done.preemptions.extend(res.preemptions)
+        return done
 
-    def _step_failed(self, plan: Any, error: Exception) -> StepResult:
+    def _step_failed(self, plan: Any, error: BaseException) -> StepResult:
         """A step (the core's only pending one) raised in its forward or sampling: fails the
         requests it scheduled or preempted (a swap-out it planned may not have run), then
         applies it with every sample dropped; its result holds those failures. Raises
-        ``EngineDeadError`` when too many steps failed lately."""
+        ``EngineDeadError`` when too many steps failed lately. An interruption (Ctrl-C: not an
+        ``Exception``) is no fault of the engine's: it fails the step's requests alike, holds
+        their outputs for the next ``step()`` and is re-raised."""
         if isinstance(error, RankFailedError):  # a tensor-parallel rank is gone: nothing can run
             raise EngineDeadError(str(error)) from error
         now = time.monotonic()
+        ids = [*plan.req_ids.tolist(), *plan.preempted_req_ids.tolist()]
+        what = "failed" if isinstance(error, Exception) else "was interrupted"
+        outputs = self._fail(ids, f"the step running this request {what}: {error!r}")
+        self.scheduler.update(np.zeros(len(plan.sample_req_ids), np.int32))  # all dropped: aborted
+        if not isinstance(error, Exception):
+            self._held.extend(outputs)
+            self._events.pop(plan.step, None)
+            raise error
         self._failures.append(now)
         while self._failures[0] < now - FAILURE_WINDOW_S:
             self._failures.popleft()
-        ids = [*plan.req_ids.tolist(), *plan.preempted_req_ids.tolist()]
-        outputs = self._fail(ids, f"the step running this request failed: {error!r}")
-        self.scheduler.update(np.zeros(len(plan.sample_req_ids), np.int32))  # all dropped: aborted
         if len(self._failures) >= MAX_STEP_FAILURES:
             raise EngineDeadError(
                 f"{len(self._failures)} steps failed within {FAILURE_WINDOW_S:.0f} s; the last: {error!r}"

@@ -132,6 +132,7 @@ class OfflineMixin:
             for rid in ids:
                 if rid not in final:
                     self.abort_request(rid)
+            self._held = [ro for ro in self._held if ro.request_id not in wanted]
             raise
         finally:
             if bar is not None:

@@ -1,6 +1,7 @@
 """Faults (docs/faults.md): a request whose logits go non-finite fails alone and leaves nothing
 behind; KV positions attention masks contribute nothing whatever they hold; a step that raises
-fails its requests and the engine goes on, until repeated failures mark it dead; the server
+fails its requests and the engine goes on, until repeated failures mark it dead (a Ctrl-C inside
+a forward fails that step's requests alone and is re-raised); the server
 answers a failed request 500 (an error event when streaming), exits non-zero when its engine
 dies, and drains on SIGTERM (503 for new requests, open streams end with a finish reason, exit 0).
 
@@ -104,6 +105,35 @@ def test_a_step_that_raises_fails_its_requests_and_the_engine_goes_on(
     assert_pools_empty(eng)
     assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS, GREEDY)] == want  # it goes on
     assert eng.dead is None
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_ctrl_c_inside_a_forward_fails_that_step_and_the_engine_goes_on(
+    model: Path, async_scheduling: bool
+) -> None:
+    want = [alone(model, p) for p in PROMPTS]
+    eng = engine(model, async_scheduling)
+    eng.add_request("other", PROMPTS[2], GREEDY)  # add_request's: its failure is handed out later
+    real, calls = eng._worker.run, []
+
+    def run(*args: Any, **kw: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # lands in the forward, where a step spends its time
+        return real(*args, **kw)
+
+    eng._worker.run = run  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        eng.generate(PROMPTS[:2], GREEDY)
+    eng._worker.run = real  # type: ignore[method-assign]
+    assert eng.dead is None and not eng.scheduler.has_unfinished_requests()
+    other = [o for o in eng.step().outputs if o.request_id == "other"]  # each step's, then its end
+    assert [o.finished for o in other] == [False, False, True]
+    assert other[-1].error is not None and "interrupted" in other[-1].error
+    assert not eng.has_unfinished_requests()
+    assert_pools_empty(eng)
+    assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS, GREEDY)] == want  # it goes on
+    assert not eng._failures  # an interruption is no step failure
 
 
 def test_steps_that_keep_failing_mark_the_engine_dead(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -128,6 +128,9 @@ def build_app(
             # the engine names its request id, an internal one here: the client's is the response's
             said = str(e).removeprefix(f"request {f'{rid}-{len(streams)}'!r}: ")
             raise ApiError(400, said, "invalid_request_error") from None
+        except BaseException:  # cancelled (the client left): the prompts accepted must not run on
+            await handling.close(streams)
+            raise
         return rid, streams
 
     @app.get("/health", responses={503: {"description": "Draining, or the engine stopped"}})

@@ -14,7 +14,9 @@ can cut it, so each step's deltas go to the stream as they are.
 Faults: a request the engine fails (non-finite logits, a step that raised) ends its iterator with
 ``RequestFailedError``; the others go on. When the engine dies (``EngineDeadError``, or any error
 out of the engine thread), every open stream ends with ``EngineDeadError`` and ``on_dead`` is
-called (the server then exits non-zero, so a supervisor restarts it). ``drain()`` (SIGTERM) stops
+called (the server then exits non-zero, so a supervisor restarts it); after ``shutdown()`` open
+streams end alike, their requests aborted, and ``add()`` raises it. A request whose consumer's
+event loop has closed, or whose ``add()`` was cancelled, is aborted. ``drain()`` (SIGTERM) stops
 accepting, lets the running requests finish until a deadline, then aborts the rest: each of their
 unfinished sequences ends with finish_reason "abort".
 """
@@ -25,9 +27,9 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from ferryman.engine import Engine, EngineDeadError, Prompt
@@ -35,19 +37,18 @@ from ferryman.engine_setup import make_current
 from ferryman.outputs import RequestMetrics, RequestOutput
 from ferryman.sampling_params import SamplingParams
 from ferryman.server.metrics import Metrics
-from ferryman.server.updates import Delta, DrainingError, RequestFailedError, RequestUpdates, Update
+from ferryman.server.updates import (
+    Delta,
+    DrainingError,
+    RequestFailedError,
+    RequestUpdates,
+    Stream,
+    Update,
+    update_of,
+)
 from ferryman.trace import TraceWriter, step_record
 
 __all__ = ["AsyncEngine", "Delta", "DrainingError", "EngineDeadError", "RequestFailedError", "Update"]
-
-
-@dataclass(slots=True)
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[Any]
-    num_tokens: list[int]  # per sequence, sent so far
-    reasons: list[str | None]  # per sequence, its finish reason once sent
-    prompt_sent: bool = False  # its prompt logprobs (if any) went out
 
 
 _ACCEPTED = object()
@@ -75,8 +76,9 @@ class AsyncEngine:
         self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
-        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._streams: dict[str, Stream] = {}  # engine thread only
         self._lock = threading.Lock()
+        self._closed = False  # the engine thread has ended: commands are refused
         self._pending_adds = 0
         self._engine_waiting = 0
         self._t0 = time.monotonic()
@@ -121,34 +123,30 @@ class AsyncEngine:
             raise DrainingError("the server is shutting down")
         with self._lock:
             self._pending_adds += 1  # counted as waiting from here (the overload check)
-        ids = None
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        stream = Stream(asyncio.get_running_loop(), q, [0] * params.n, [None] * params.n)
         try:
+            ids = None
             if isinstance(prompt, str) and self.engine.tokenizer is not None:
                 ids = (await self.offload(lambda: self.engine.tokenize(prompt, None, special)))[1]
+            params = replace(params, output_kind="delta")
+            if not self._put(("add", request_id, prompt, ids, params, arrival, stream)):
+                raise EngineDeadError(f"engine stopped: {self.error!r}")
         except BaseException:
             with self._lock:
                 self._pending_adds -= 1
             raise
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue[Any] = asyncio.Queue()
-        self._put(
-            (
-                "add",
-                request_id,
-                prompt,
-                ids,
-                replace(params, output_kind="delta"),
-                arrival,
-                _Stream(loop, q, [0] * params.n, [None] * params.n),
-            )
-        )
-        first = await q.get()
+        try:
+            first = await q.get()
+        except BaseException:  # cancelled while it was being added: it must not run for no one
+            self._put(("abort", request_id, stream))
+            raise
         if isinstance(first, BaseException):
             raise first
-        return RequestUpdates(self._updates(request_id, q), lambda: self.abort(request_id))
+        return RequestUpdates(q, lambda: self.abort(request_id))
 
     def abort(self, request_id: str) -> None:
-        self._put(("abort", request_id))
+        self._put(("abort", request_id, None))
 
     def drain(self, timeout: float, then: Callable[[], None]) -> None:
         """Stops accepting requests; once the running ones have finished, or ``timeout`` seconds
@@ -158,29 +156,37 @@ class AsyncEngine:
         self._drain = (time.monotonic() + timeout, then)
         self._wake.set()
 
-    async def _updates(self, request_id: str, q: asyncio.Queue[Any]) -> AsyncGenerator[Update, None]:
-        finished = False
-        try:
-            while not finished:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                if item.error is not None:
-                    raise RequestFailedError(item.error)
-                yield item
-        finally:
-            if not finished:
-                self.abort(request_id)
-
-    def _put(self, cmd: tuple[Any, ...]) -> None:
-        self._cmds.put(cmd)
+    def _put(self, cmd: tuple[Any, ...]) -> bool:
+        """Queues a command for the engine thread; False once that thread has ended."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._cmds.put(cmd)
         self._wake.set()
+        return True
 
     # -- engine thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
         make_current(self.engine.device)  # this thread's too
+        died: Exception | None = None
+        try:
+            self._loop()
+        except Exception as e:  # the engine died: fail every stream rather than hang them
+            died = e
+        self.error = died or EngineDeadError("the engine was shut down")
+        with self._lock:
+            self._closed = True
+        self._drain_commands()  # adds queued before the close join the streams failed below
+        for rid, s in self._streams.items():
+            if died is None:
+                self.engine.abort_request(rid)  # shut down: nothing will run it
+            s.post(EngineDeadError(f"engine stopped: {self.error!r}"))
+        self._streams.clear()
+        if died is not None and self.on_dead is not None:
+            self.on_dead(died)
+
+    def _loop(self) -> None:
         busy = False
         while not self._stop:
             self._drain_commands()
@@ -200,16 +206,7 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             busy = True
-            try:
-                self._step()
-            except Exception as e:  # the engine died: fail every stream rather than hang them
-                self.error = e
-                for s in self._streams.values():
-                    s.loop.call_soon_threadsafe(s.queue.put_nowait, EngineDeadError(f"engine stopped: {e!r}"))
-                self._streams.clear()
-                if self.on_dead is not None:
-                    self.on_dead(e)
-                return
+            self._step()
 
     def _abort_all(self) -> None:
         """Aborts every open request; each unfinished sequence ends with finish_reason "abort"."""
@@ -230,21 +227,30 @@ class AsyncEngine:
                 try:
                     self.engine.add_request(rid, prompt, params, arrival, prompt_token_ids=ids)
                 except Exception as e:
-                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)
+                    stream.post(e)
                 else:
                     with self._lock:
                         self._engine_waiting += 1
                     self._streams[rid] = stream
                     if self.metrics is not None:
                         self.metrics.on_added(self.engine.num_prompt_tokens(rid))
-                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, _ACCEPTED)
+                    if not stream.post(_ACCEPTED):  # its caller's event loop is closed
+                        self._abort(rid)
                 finally:
                     with self._lock:
                         self._pending_adds -= 1
-            elif cmd[0] == "abort" and (s := self._streams.pop(cmd[1], None)) is not None:
-                self.engine.abort_request(cmd[1])
-                if self.metrics is not None:  # each sequence, as a finished request counts them
-                    self.metrics.on_finished(None, s.reasons, 0)
+            elif cmd[0] == "abort":
+                self._abort(cmd[1], cmd[2])
+
+    def _abort(self, rid: str, stream: Stream | None = None) -> None:
+        """Aborts ``rid`` if its stream is open (and is ``stream``, when given)."""
+        s = self._streams.get(rid)
+        if s is None or (stream is not None and s is not stream):
+            return
+        del self._streams[rid]
+        self.engine.abort_request(rid)
+        if self.metrics is not None:  # each sequence, as a finished request counts them
+            self.metrics.on_finished(None, s.reasons, 0)
 
     def _step(self) -> None:
         started = time.perf_counter()
@@ -273,23 +279,11 @@ class AsyncEngine:
         s = self._streams.get(ro.request_id)
         if s is None:
             return 0
-        deltas = [
-            Delta(o.index, o.text, o.token_ids, o.logprobs, o.finish_reason, o.stop_reason)
-            for o in ro.outputs
-        ]
-        u = Update(deltas, ro.finished, len(ro.prompt_token_ids), ro.error)
-        u.num_cached_tokens = ro.num_cached_tokens
-        if ro.prompt_logprobs is not None and not s.prompt_sent:
-            u.prompt_token_ids, u.prompt_logprobs, s.prompt_sent = (
-                ro.prompt_token_ids,
-                ro.prompt_logprobs,
-                True,
-            )
-            u.prompt_logprob_ranks = ro.prompt_logprob_ranks
+        u = update_of(ro, s)
         self._send(ro.request_id, s, u, ro.metrics)
-        return sum(len(d.token_ids) for d in deltas)
+        return sum(len(d.token_ids) for d in u.deltas)
 
-    def _send(self, request_id: str, s: _Stream, u: Update, m: RequestMetrics | None) -> None:
+    def _send(self, request_id: str, s: Stream, u: Update, m: RequestMetrics | None) -> None:
         for d in u.deltas:
             s.num_tokens[d.index] += len(d.token_ids)
             s.reasons[d.index] = d.finish_reason
@@ -297,4 +291,5 @@ class AsyncEngine:
             del self._streams[request_id]
             if self.metrics is not None:
                 self.metrics.on_finished(m, s.reasons, max(s.num_tokens))
-        s.loop.call_soon_threadsafe(s.queue.put_nowait, u)
+        if not s.post(u) and not u.finished:  # its consumer's event loop is closed
+            self._abort(request_id)

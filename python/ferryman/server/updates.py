@@ -1,15 +1,27 @@
 """What the engine thread hands a request's stream: ``Update`` objects (each sequence's
-``Delta``), the errors its iterator may end with, and that iterator (``RequestUpdates``)."""
+``Delta``), the errors its iterator may end with, and that iterator (``RequestUpdates``); and
+the stream as the engine thread holds it (``Stream``)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ferryman.engine import EngineDeadError
-from ferryman.outputs import Logprob
+from ferryman.outputs import Logprob, RequestOutput
 
-__all__ = ["Delta", "DrainingError", "EngineDeadError", "RequestFailedError", "RequestUpdates", "Update"]
+__all__ = [
+    "Delta",
+    "DrainingError",
+    "EngineDeadError",
+    "RequestFailedError",
+    "RequestUpdates",
+    "Stream",
+    "Update",
+    "update_of",
+]
 
 
 @dataclass(slots=True)
@@ -37,6 +49,39 @@ class Update:
     num_cached_tokens: int = 0  # prompt tokens the prefix cache held (usage.prompt_tokens_details)
 
 
+@dataclass(slots=True)
+class Stream:
+    """A request's stream on the engine thread: its consumer's loop and queue, and what went out."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Any]
+    num_tokens: list[int]  # per sequence, sent so far
+    reasons: list[str | None]  # per sequence, its finish reason once sent
+    prompt_sent: bool = False  # its prompt logprobs (if any) went out
+
+    def post(self, item: Any) -> bool:
+        """Hands ``item`` to the consumer's loop; False when that loop is closed (no one reads)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # "Event loop is closed"
+            return False
+        return True
+
+
+def update_of(ro: RequestOutput, s: Stream) -> Update:
+    """``ro`` as its stream's next update (with the prompt's logprobs the first time only)."""
+    deltas = [
+        Delta(o.index, o.text, o.token_ids, o.logprobs, o.finish_reason, o.stop_reason) for o in ro.outputs
+    ]
+    u = Update(
+        deltas, ro.finished, len(ro.prompt_token_ids), ro.error, num_cached_tokens=ro.num_cached_tokens
+    )
+    if ro.prompt_logprobs is not None and not s.prompt_sent:
+        u.prompt_token_ids, u.prompt_logprobs = ro.prompt_token_ids, ro.prompt_logprobs
+        u.prompt_logprob_ranks, s.prompt_sent = ro.prompt_logprob_ranks, True
+    return u
+
+
 class RequestFailedError(RuntimeError):
     """The engine failed this request (its logits were not finite, or its step raised); other
     requests go on."""
@@ -51,8 +96,23 @@ class RequestUpdates:
     ``__anext__``: an async generator that never started skips its ``finally`` when closed (a
     request submitted with others that were then refused would run to its end for no one)."""
 
-    def __init__(self, gen: AsyncGenerator[Update, None], abort: Callable[[], None]) -> None:
-        self._gen, self._abort, self._started = gen, abort, False
+    def __init__(self, q: asyncio.Queue[Any], abort: Callable[[], None]) -> None:
+        self._gen, self._abort, self._started = self._read(q), abort, False
+
+    async def _read(self, q: asyncio.Queue[Any]) -> AsyncGenerator[Update, None]:
+        finished = False
+        try:
+            while not finished:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                if item.error is not None:
+                    raise RequestFailedError(item.error)
+                yield item
+        finally:
+            if not finished:
+                self._abort()
 
     def __aiter__(self) -> RequestUpdates:
         return self

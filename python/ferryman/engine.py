@@ -107,10 +107,12 @@ class Engine(FaultsMixin, OfflineMixin):
         arrival_time: float | None = None,
         prompt_token_ids: list[int] | None = None,
     ) -> None:
-        """Queues a request; raises ``InvalidRequestError`` (a ``ValueError``) if it can never run.
-        ``arrival_time`` (``time.monotonic()``) defaults to now. A text prompt is tokenized with
-        the tokenizer's special tokens (``tokenize``), unless ``prompt_token_ids`` gives its ids
-        (the server tokenizes off the engine's thread; a rendered chat, without them)."""
+        """Queues a request; raises ``InvalidRequestError`` (a ``ValueError``) if it can never run,
+        ``EngineDeadError`` once the engine stopped. ``arrival_time`` (``time.monotonic()``)
+        defaults to now. A text prompt is tokenized with its special tokens (``tokenize``) unless
+        ``prompt_token_ids`` gives its ids (the server tokenizes off the engine's thread)."""
+        if self.dead is not None:  # it would never run
+            raise EngineDeadError(f"engine stopped: {self.dead!r}") from self.dead
         params = params or SamplingParams()
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if not isinstance(request_id, str):

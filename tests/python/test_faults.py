@@ -148,6 +148,12 @@ def test_steps_that_keep_failing_mark_the_engine_dead(model: Path, monkeypatch: 
         eng.step()
     with pytest.raises(EngineDeadError, match="engine stopped"):
         eng.step()
+    with pytest.raises(EngineDeadError, match="steps failed"):  # it would never run
+        eng.add_request("after", PROMPTS[0], GREEDY)
+    spare = engine(model)
+    spare.shutdown()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        spare.add_request("after", PROMPTS[0], GREEDY)
 
 
 # -- the server ---------------------------------------------------------------------------------

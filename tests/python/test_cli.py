@@ -4,6 +4,7 @@ tokenizer: ``generate`` with and without ``--stream``, interactive ``chat``, and
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -129,6 +130,20 @@ def test_stream_and_chat_cut_max_tokens_to_the_room_and_a_refused_turn_is_said(m
         timeout=120,
     )
     assert default.returncode == 0 and "exceeds" not in default.stderr, default.stderr
+
+
+def test_ctrl_c_in_chat_exits_130_without_a_traceback(model_dir: Path) -> None:
+    chat = [sys.executable, "-m", "ferryman", "chat", "--model", str(model_dir), *KNOBS]
+    p = subprocess.Popen(chat, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout is not None
+    seen = b""
+    while not seen.endswith(b"> "):  # the engine is up and waits for a turn
+        chunk = p.stdout.read1(64)
+        assert chunk, p.stderr.read() if p.stderr else ""
+        seen += chunk
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and b"Traceback" not in err and b"ferryman chat: interrupted" in err, err
 
 
 ENGINE_FLAGS = [

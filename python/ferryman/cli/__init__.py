@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # a file to read or write that cannot be (a trace, a workload, a plot)
         print(f"ferryman {a.cmd}: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: what ran was aborted on the way out; no traceback
+        print(f"\nferryman {a.cmd}: interrupted", file=sys.stderr)
+        return 130
     return status
 
 

@@ -165,6 +165,16 @@ def test_json_trace_workload_and_config_json_shape(tmp_path: Path) -> None:
     path.write_text(json.dumps([{"output_len": 3}]))
     with pytest.raises(ValueError, match="prompt_len"):
         from_json(path)
+    for bad, said in [
+        ([{"prompt_len": 1000, "prompt_tokens": [1, 2, 3], "output_len": 5}], "prompt_len 1000 is not its 3"),
+        ([{"prompt_len": 0, "output_len": 5}], "must be >= 1"),  # 0 is a length, not a missing one
+        ([{"prompt_len": 4, "output_len": 5, "arrival_s": "abc"}], "arrival_s 'abc' is not a number"),
+        ("", "not JSON"),
+    ]:
+        path.write_text(json.dumps(bad) if bad else "")
+        with pytest.raises(ValueError, match=said) as e:
+            from_json(path)
+        assert str(path) in str(e.value)
     cfg = {
         "num_hidden_layers": 4,
         "hidden_size": 256,

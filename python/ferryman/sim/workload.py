@@ -114,20 +114,35 @@ def _token_ids(v: Any) -> bool:
     return isinstance(v, list) and all(type(t) is int and 0 <= t < 1 << 31 for t in v)
 
 
+def _arrival(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise TypeError(f"arrival_s {v!r} is not a number")
+    return float(v)
+
+
 def from_json(path: str | Path, *, vocab: int = 32000, seed: int = 0) -> Workload:
-    rows = json.loads(Path(path).read_text())
+    try:
+        rows = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
     if not isinstance(rows, list) or not rows:
         raise ValueError(f"{path}: expected a non-empty JSON list of requests")
     try:
-        t = np.array([float(r.get("arrival_s", 0.0)) for r in rows])
-        p = np.array([_count(r.get("prompt_len") or len(r["prompt_tokens"])) for r in rows], dtype=np.int64)
+        t = np.array([_arrival(r.get("arrival_s", 0.0)) for r in rows])
+        lens = [r["prompt_len"] if "prompt_len" in r else len(r["prompt_tokens"]) for r in rows]
+        p = np.array([_count(n) for n in lens])
         o = np.array([_count(r["output_len"]) for r in rows], dtype=np.int64)
     except (KeyError, TypeError, AttributeError) as e:
         raise ValueError(
             f"{path}: each request needs prompt_len (or prompt_tokens) and output_len ({e})"
         ) from None
+    p = p.astype(np.int64)
     if (p < 1).any() or (o < 1).any() or (p + o > 1 << 31).any():
         raise ValueError(f"{path}: prompt_len and output_len must be >= 1, together at most 2**31")
+    for i, r in enumerate(rows):
+        ids = r.get("prompt_tokens")
+        if isinstance(ids, list) and "prompt_len" in r and len(ids) != p[i]:
+            raise ValueError(f"{path}: request {i}'s prompt_len {p[i]} is not its {len(ids)} prompt_tokens")
     bad = next((i for i, r in enumerate(rows) if not _token_ids(r.get("prompt_tokens", []))), None)
     if bad is not None:
         raise ValueError(f"{path}: request {bad}'s prompt_tokens are not token ids (integers in [0, 2**31))")

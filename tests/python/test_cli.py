@@ -146,6 +146,13 @@ def test_ctrl_c_in_chat_exits_130_without_a_traceback(model_dir: Path) -> None:
     assert p.returncode == 130 and b"Traceback" not in err and b"ferryman chat: interrupted" in err, err
 
 
+def test_chat_refuses_a_grammar_that_cannot_compile_before_the_first_turn(model_dir: Path) -> None:
+    bad = ["--grammar", "start: foo"]
+    chat = [sys.executable, "-m", "ferryman", "chat", "--model", str(model_dir), *KNOBS, *bad]
+    p = subprocess.run(chat, input="hi\n", capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "unknown name" in p.stderr and "> " not in p.stdout, p.stderr
+
+
 ENGINE_FLAGS = [
     "--model",
     "--dtype",

@@ -164,6 +164,9 @@ def run_chat(a: argparse.Namespace) -> int:
         return 2
     history: list[dict[str, str]] = [{"role": "system", "content": a.system}] if a.system else []
     params = _sampling(a)
+    if params.structured_outputs is not None:  # a grammar that cannot compile is said now, once
+        engine.add_request("cli-check", [0], dataclasses.replace(params, max_tokens=1, min_tokens=0))
+        engine.abort_request("cli-check")
     print("ferryman chat: an empty line or Ctrl-D quits, /reset forgets the conversation", file=sys.stderr)
     while True:
         try:

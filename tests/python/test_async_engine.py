@@ -1,11 +1,13 @@
 """AsyncEngine's lifecycle: ``shutdown()`` ends the open streams and aborts their requests and
 ``add()`` refuses afterwards; an ``add()`` cancelled before its request was accepted aborts it,
 and so does a server request cancelled while it submits its prompts; a consumer whose event loop
-closed loses its own request only (the engine thread goes on serving others)."""
+closed loses its own request only (the engine thread goes on serving others); an iterator
+dropped unread aborts its request."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from pathlib import Path
 
@@ -113,3 +115,19 @@ def test_a_closed_event_loop_loses_its_own_request_only(model: Path) -> None:
     assert ae.error is None and ae._thread.is_alive()
     ae.shutdown()
     assert not eng.has_unfinished_requests()
+
+
+def test_an_iterator_dropped_unread_aborts_its_request(model: Path) -> None:
+    eng = engine(model)
+    ae = AsyncEngine(eng)
+    ae.start()
+
+    async def go() -> None:
+        it = await ae.add("d1", [5, 6, 7], LONG, time.monotonic())
+        del it
+        gc.collect()
+        await until(lambda: not eng.has_unfinished_requests())
+
+    asyncio.run(go())
+    ae.shutdown()
+    assert eng.scheduler.stats()["num_generated_tokens"] < LONG.max_tokens

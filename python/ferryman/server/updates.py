@@ -94,7 +94,8 @@ class DrainingError(RuntimeError):
 class RequestUpdates:
     """``AsyncEngine.add``'s iterator. Closing it aborts its request unless finished, even before the first
     ``__anext__``: an async generator that never started skips its ``finally`` when closed (a
-    request submitted with others that were then refused would run to its end for no one)."""
+    request submitted with others that were then refused would run to its end for no one); so
+    does dropping it unread (a started one is closed by the event loop's finalizer)."""
 
     def __init__(self, q: asyncio.Queue[Any], abort: Callable[[], None]) -> None:
         self._gen, self._abort, self._started = self._read(q), abort, False
@@ -123,5 +124,10 @@ class RequestUpdates:
 
     async def aclose(self) -> None:
         if not self._started:
+            self._started = True  # aborted here: not again when dropped
             self._abort()
         await self._gen.aclose()
+
+    def __del__(self) -> None:
+        if not self._started:  # dropped unread: its request must not run for no one
+            self._abort()

@@ -97,12 +97,12 @@ def run_transformers(
     import transformers as tf
 
     from ferryman.engine_setup import resolve_dtype
-    from ferryman.model_loader import resolve_model_path
+    from ferryman.model_loader import is_gguf, resolve_model_path
 
     path = resolve_model_path(model)
     torch_dtype = resolve_dtype(dtype, torch.device("cpu"))
     hf: Any
-    if path.suffix == ".gguf":
+    if is_gguf(path):
         hf = tf.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch_dtype)
     else:
         hf = tf.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)

@@ -26,6 +26,7 @@ from ferryman.engine_args import EngineArgs
 from ferryman.model_loader import (
     check_context,
     generation_defaults,
+    is_gguf,
     load_model,
     load_tokenizer,
     resolve_model_path,
@@ -88,7 +89,7 @@ def build_parts(args: EngineArgs) -> EngineParts:
     make_current(device)
     dtype = resolve_dtype(args.dtype, device)
     path = resolve_model_path(args.model, args.load_format != "dummy", args.revision, args.download_dir)
-    if args.quantization == "gguf" and path.suffix != ".gguf":
+    if args.quantization == "gguf" and not is_gguf(path):
         raise InvalidRequestError(f"quantization='gguf' needs a .gguf model; {args.model!r} is not one")
     n = args.tensor_parallel_size
     cannot = check_devices(device, n, args.distributed_executor_backend) if n > 1 else None

@@ -19,11 +19,14 @@ machine), so what ``convert`` produces is cached by the file's hash (``gguf_cach
 
 from __future__ import annotations
 
+import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 
 from ferryman import gguf_cache
 from ferryman.models.config import ModelConfig
@@ -128,7 +131,12 @@ def load_gguf(
     path = Path(path)
     cache = gguf_cache.cache_dir(path)
     if gguf_cache.holds(cache):
-        return gguf_cache.load(cache, dtype, device, tp)
+        try:
+            return gguf_cache.load(cache, dtype, device, tp)
+        except (OSError, ValueError, SafetensorError) as e:  # damaged (a crash mid-write): rebuilt
+            said = f"ferryman: the GGUF conversion cache {cache} cannot be read ({e}); rebuilt"
+            warnings.warn(said, stacklevel=2)
+            shutil.rmtree(cache, ignore_errors=True)
     cfg, tensors, tokenizer = convert(path)
     gguf_cache.store(cache, cfg, tensors, tokenizer)
     if (cache / "tokenizer").is_dir():  # the same tokenizer object a later, cached load gives
@@ -189,4 +197,11 @@ def gguf_tokenizer(path: Path) -> Any:
     """transformers' tokenizer of a GGUF file (what it builds from the file's vocabulary)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except BaseException as e:
+        # the tokenizers library's own errors about a broken vocabulary or merges: a bare
+        # Exception, or a Rust panic (pyo3's PanicException, a BaseException)
+        if type(e) is not Exception and type(e).__name__ != "PanicException":
+            raise
+        raise ValueError(f"its tokenizer cannot be built: {e}") from e

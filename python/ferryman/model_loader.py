@@ -112,7 +112,7 @@ def load_model(
         if tp is not None and tp.world > 1:
             raise ModelLoadError("load_format='dummy' runs on one rank")
         return LlamaForCausalLM.random(read_config(path), dtype, device), _tokenizer(path)
-    if path.is_file() and path.suffix == ".gguf":
+    if path.is_file() and is_gguf(path):
         try:
             return load_gguf(path, dtype, device, tp)
         except (KeyError, ValueError, TypeError, IndexError, ZeroDivisionError) as e:  # odd metadata
@@ -120,6 +120,11 @@ def load_model(
     if path.is_dir():
         return load_hf_folder(path, dtype, device, tp)
     raise ModelLoadError(f"{path}: no such model; expected 'smollm2', a .gguf file or a Hugging Face folder")
+
+
+def is_gguf(path: Path) -> bool:
+    """A GGUF file's name ends in ".gguf" (any case, as llama.cpp takes it)."""
+    return path.suffix.lower() == ".gguf"
 
 
 def load_hf_folder(
@@ -139,12 +144,19 @@ def load_hf_folder(
     if not files:
         raise ModelLoadError(f"{root}: no *.safetensors weights found")
     tensors: dict[str, torch.Tensor] = {}
-    if tp is not None and tp.world > 1:  # read only this rank's slices from the files
+    sliced = tp is not None and tp.world > 1
+    if tp is not None and sliced:  # read only this rank's slices from the files
         tensors = read_shard(root, files, cfg, tp)
-        return LlamaForCausalLM.from_tensors(cfg, tensors, dtype, device, tp, sliced=True), _tokenizer(root)
-    for f in files:
-        tensors.update(load_file(str(root / f)))
-    return LlamaForCausalLM.from_tensors(cfg, tensors, dtype, device, tp), _tokenizer(root)
+    else:
+        for f in files:
+            tensors.update(load_file(str(root / f)))
+    try:
+        model = LlamaForCausalLM.from_tensors(cfg, tensors, dtype, device, tp, sliced=sliced)
+    except ModelLoadError:
+        raise
+    except ValueError as e:  # a tensor missing, left over or of another shape
+        raise ModelLoadError(f"{root}: {e}") from e
+    return model, _tokenizer(root)
 
 
 def read_config(root: Path) -> ModelConfig:
@@ -179,8 +191,11 @@ def load_tokenizer(name: str, revision: str | None = None, cache_dir: str | None
     from ferryman.gguf_loader import gguf_tokenizer
 
     path = resolve_model_path(name, weights=False, revision=revision, cache_dir=cache_dir)
-    if path.is_file() and path.suffix == ".gguf":
-        return gguf_tokenizer(path)
+    if path.is_file() and is_gguf(path):
+        try:
+            return gguf_tokenizer(path)
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: {e}") from e
     tok = _tokenizer(path) if path.is_dir() else None
     if tok is None:
         raise ModelLoadError(

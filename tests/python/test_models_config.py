@@ -7,6 +7,7 @@ context; sliding windows and a ``max_model_len`` past the model's context refuse
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -150,9 +151,51 @@ def test_checkpoint_tensors_without_a_place_are_refused(tmp_path: Path) -> None:
     weights["model.layers.0.self_attn.o_proj.bias"] = torch.ones(weights["model.norm.weight"].shape)
     save_file(weights, path / "model.safetensors")
     with pytest.raises(
-        ValueError, match=r"tensors this model does not use, e\.g\. \['layers\.0\.o_proj\.bias'\]"
+        ModelLoadError, match=r"tensors this model does not use, e\.g\. \['layers\.0\.o_proj\.bias'\]"
     ):
         load_model(path, torch.float32, CPU)
+    del weights["model.layers.0.self_attn.o_proj.bias"], weights["model.norm.weight"]
+    save_file(weights, path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"lacks 1 tensors, e\.g\. \['norm\.weight'\]"):
+        load_model(path, torch.float32, CPU)
+
+
+def test_checkpoints_transformers_keeps_apart_load_as_it_does(tmp_path: Path) -> None:
+    """A config that ties the embeddings over the checkpoint's own, different lm_head (the
+    lm_head is kept), and a Qwen2 config saying ``attention_bias: false`` (its q/k/v carry biases
+    all the same): ferryman tied over the first and refused the second."""
+    tied = build("llama", tmp_path / "tied")
+    patch_config(tied, tie_word_embeddings=True)
+    qwen = build("qwen2", tmp_path / "qwen")
+    patch_config(qwen, attention_bias=False)
+    for path in (tied, qwen):
+        with pytest.warns() if path == tied else contextlib.nullcontext():
+            model, _ = load_model(path, torch.float32, CPU)
+        ids = long_ids(model.cfg.vocab_size, 24)
+        torch.testing.assert_close(ours(model, ids), theirs(path, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_gguf_file_edges(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name ending in ".GGUF" is a GGUF; a damaged conversion cache is rebuilt (it failed on
+    every load); merges that do not fit the vocabulary are a ModelLoadError (a bare Exception or
+    a Rust panic from the tokenizers library before)."""
+    from ferryman.gguf_cache import cache_dir
+
+    monkeypatch.setenv("FERRYMAN_CACHE_DIR", str(tmp_path / "cache"))
+    hf = build("llama", tmp_path / "llama")
+    up = tmp_path / "UP.GGUF"
+    write_llama_gguf(hf, up, merges=[])
+    model, _ = load_model(up, torch.float32, CPU)
+    (cache_dir(up) / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.warns(UserWarning, match="cannot be read"):
+        again, _ = load_model(up, torch.float32, CPU)
+    assert torch.equal(again.embed_tokens.weight, model.embed_tokens.weight)
+    load_model(up, torch.float32, CPU)  # rebuilt: read back without a warning (pytest's -W error)
+    for merges in (["t t1"], ["t1 t2"]):  # a token not in the vocabulary; a merge it panics on
+        bad = tmp_path / f"bad{len(merges[0])}.gguf"
+        write_llama_gguf(hf, bad, merges=merges)
+        with pytest.raises(ModelLoadError, match="its tokenizer cannot be built"):
+            load_model(bad, torch.float32, CPU)
 
 
 def test_a_config_without_architectures_goes_by_model_type_and_yarn_by_its_default_context(
@@ -178,10 +221,13 @@ def test_a_config_without_architectures_goes_by_model_type_and_yarn_by_its_defau
 GGUF_TOP_LEVEL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
 
 
-def write_llama_gguf(hf_path: Path, out: Path, scaling: dict[str, Any] | None = None) -> None:
+def write_llama_gguf(
+    hf_path: Path, out: Path, scaling: dict[str, Any] | None = None, merges: list[str] | None = None
+) -> None:
     """The tiny HF Llama as an F32 GGUF the way llama.cpp's converter writes one: q/k rows
     permuted, and a Llama 3.1 scaling as per-frequency divisors in ``rope_freqs.weight``
-    (``scaling``: other scalings as ``rope.scaling.*`` keys instead)."""
+    (``scaling``: other scalings as ``rope.scaling.*`` keys instead); ``merges``: a byte-level
+    BPE tokenizer with these merges."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
@@ -200,6 +246,11 @@ def write_llama_gguf(hf_path: Path, out: Path, scaling: dict[str, Any] | None = 
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_token_list([f"t{i}" for i in range(cfg["vocab_size"])])
+    if merges is not None:
+        w.add_tokenizer_model("gpt2")
+        w.add_token_types([1] * cfg["vocab_size"])
+        w.add_token_scores([0.0] * cfg["vocab_size"])
+        w.add_token_merges(merges)
     for key, value in (scaling or {}).items():
         w.add_key_value(f"llama.rope.scaling.{key}", value, _gguf_type(value))
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v"}

@@ -94,7 +94,8 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            # Qwen2's q/k/v always carry biases (transformers' Qwen2 ignores the key)
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
             eos_token_ids=eos_ids,
             sliding_window=_sliding_window(d, arch),

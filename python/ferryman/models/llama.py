@@ -15,6 +15,8 @@ only (it writes no K/V for the padding), and the hidden states returned are the 
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -181,6 +183,11 @@ class LlamaForCausalLM(nn.Module):
         A given tensor already contiguous, in ``dtype`` and on ``device`` becomes the parameter
         itself, not a copy (a memory-mapped checkpoint stays mapped: its file must not change
         while the model lives); projections stacked here are new tensors."""
+        head, embed = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+        if cfg.tie_word_embeddings and head is not None and embed is not None and not _same(head, embed):
+            # transformers' rule: a checkpoint's own lm_head that differs is kept, not tied over
+            warnings.warn("tie_word_embeddings, but lm_head differs from the embedding: untied", stacklevel=2)
+            cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
         with torch.device("meta"):
             model = cls(cfg, tp)
         model.load_hf_state_dict(tensors, sliced)
@@ -286,3 +293,7 @@ class LlamaForCausalLM(nn.Module):
                     f"tensor {key}: checkpoint shape {tuple(t.shape)} != {tuple(own[key].shape)}"
                 )
         self.load_state_dict(mapped, strict=True, assign=True)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(torch.equal(a, b.to(a.dtype)))

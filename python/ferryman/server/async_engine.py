@@ -139,14 +139,19 @@ class AsyncEngine:
         try:
             first = await q.get()
         except BaseException:  # cancelled while it was being added: it must not run for no one
-            self._put(("abort", request_id, stream))
+            self._cmds.put(("abort", request_id, stream))
+            self._wake.set()
             raise
         if isinstance(first, BaseException):
             raise first
-        return RequestUpdates(q, lambda: self.abort(request_id))
+        # dropped unread: the abort is only queued (what a finalizer may do: no lock, no event)
+        return RequestUpdates(
+            q, lambda: self.abort(request_id), lambda: self._cmds.put(("abort", request_id, None))
+        )
 
     def abort(self, request_id: str) -> None:
-        self._put(("abort", request_id, None))
+        self._cmds.put(("abort", request_id, None))  # after the close: never read, no harm
+        self._wake.set()
 
     def drain(self, timeout: float, then: Callable[[], None]) -> None:
         """Stops accepting requests; once the running ones have finished, or ``timeout`` seconds
@@ -157,7 +162,7 @@ class AsyncEngine:
         self._wake.set()
 
     def _put(self, cmd: tuple[Any, ...]) -> bool:
-        """Queues a command for the engine thread; False once that thread has ended."""
+        """Queues an add for the engine thread; False once that thread has ended."""
         with self._lock:
             if self._closed:
                 return False

@@ -97,8 +97,9 @@ class RequestUpdates:
     request submitted with others that were then refused would run to its end for no one); so
     does dropping it unread (a started one is closed by the event loop's finalizer)."""
 
-    def __init__(self, q: asyncio.Queue[Any], abort: Callable[[], None]) -> None:
-        self._gen, self._abort, self._started = self._read(q), abort, False
+    def __init__(self, q: asyncio.Queue[Any], abort: Callable[[], None], dropped: Callable[[], None]) -> None:
+        """``dropped``: aborts from a finalizer (``__del__`` may run inside any lock's holder)."""
+        self._gen, self._abort, self._dropped, self._started = self._read(q), abort, dropped, False
 
     async def _read(self, q: asyncio.Queue[Any]) -> AsyncGenerator[Update, None]:
         finished = False
@@ -130,4 +131,4 @@ class RequestUpdates:
 
     def __del__(self) -> None:
         if not self._started:  # dropped unread: its request must not run for no one
-            self._abort()
+            self._dropped()

@@ -129,6 +129,10 @@ def patch_config(path: Path, **fields: Any) -> None:
         ({"mlp_bias": True}, "mlp_bias is not supported"),
         ({"attention_bias": True}, "attention_bias .* is not supported for LlamaForCausalLM"),
         ({"rope_scaling": {"rope_type": "linear"}}, "rope_scaling type 'linear' needs factor"),
+        (
+            {"rope_scaling": {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}},
+            "partial_rotary_factor 0.5 is not supported",
+        ),
         ({"vocab_size": None, "architectures": None, "model_type": "gpt2"}, "of model_type 'gpt2'"),
         ({"vocab_size": "x"}, "a config ferryman cannot load"),
     ],

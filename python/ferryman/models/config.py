@@ -78,6 +78,9 @@ class ModelConfig:
             scaling = {"original_max_position_embeddings": d.get("max_position_embeddings", 4096), **scaling}
         theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
         check_rope_scaling(scaling)
+        partial = (scaling or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+        if scaling is not None and float(partial) != 1.0:  # transformers' scaled RoPE reads it
+            raise ValueError(f"partial_rotary_factor {partial} is not supported (RoPE on every dimension)")
         eos = d.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(

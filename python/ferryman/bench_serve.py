@@ -118,7 +118,8 @@ async def _one(client: Any, url: str, body: dict[str, Any]) -> Result:
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
-                    r.error = chunk["error"].get("message", "error")
+                    err = chunk["error"]
+                    r.error = str(err.get("message", "error") if isinstance(err, dict) else err)
                     return r
                 now = time.perf_counter()
                 if chunk.get("choices"):
@@ -135,6 +136,17 @@ async def _one(client: Any, url: str, body: dict[str, Any]) -> Result:
     except Exception as e:  # a failed request is counted, not fatal to the benchmark
         r.error = repr(e)
     return r
+
+
+def _first_model(resp: Any, base_url: str) -> str:
+    """The first model id a /v1/models answer names, or a one-line error."""
+    try:
+        return str(resp.json()["data"][0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        hint = " (give the server's root, without /v1)" if base_url.rstrip("/").endswith("/v1") else ""
+        raise ConnectionError(
+            f"{base_url}/v1/models answered HTTP {resp.status_code} without a model{hint}; or pass --model"
+        ) from None
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -162,7 +174,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=a.base_url, timeout=a.timeout, limits=limits) as client:
         try:
-            model = a.model or (await client.get("/v1/models")).json()["data"][0]["id"]
+            model = a.model or _first_model(await client.get("/v1/models"), a.base_url)
             before = preemptions((await client.get("/metrics")).text)
         except httpx.TransportError as e:  # said in one line (an OSError: exit status 1)
             raise ConnectionError(f"no server answers at {a.base_url}: {e!r}") from None
@@ -194,22 +206,25 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
 
         started = time.perf_counter()
         tasks = []
-        for prompt, m in work:
-            tasks.append(asyncio.create_task(fire(prompt, m)))
-            if a.rate != float("inf"):
+        for i, (prompt, m) in enumerate(work):
+            if i > 0 and a.rate != float("inf"):  # arrivals: none waited for after the last
                 await asyncio.sleep(rng.expovariate(a.rate))
+            tasks.append(asyncio.create_task(fire(prompt, m)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - started
         if bar is not None:
             bar.close()
-        after = preemptions((await client.get("/metrics")).text)
+        try:
+            after = preemptions((await client.get("/metrics")).text)
+        except httpx.TransportError:  # the server went away during the run: the report stands
+            after = before
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     report: dict[str, Any] = {
         "model": model,
         "num_prompts": len(work),
-        "rate": a.rate,
+        "rate": a.rate if a.rate != float("inf") else None,  # JSON has no Infinity: null, all at once
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],

@@ -420,6 +420,18 @@ def test_bench_serve_against_the_server(server: Server) -> None:
     assert report["total_output_tokens"] == sum(m for _, m in bench_serve.workload(a))
     assert 0 < report["ttft_p50_ms"] <= report["ttft_p99_ms"] and report["request_throughput"] > 0
 
+    # one request at a rate of one per 1000 s: no wait after the last arrival (the duration
+    # counted a random gap after it); an unlimited rate is JSON's null, not Infinity
+    def but(**kw: Any) -> Any:
+        return type(a)(**{**vars(a), **kw})
+
+    report = asyncio.run(bench_serve.run(but(num_prompts=1, rate=0.001)))
+    assert report["completed"] == 1 and report["duration_s"] < 30
+    everything = asyncio.run(bench_serve.run(but(rate=float("inf"))))
+    assert everything["rate"] is None and json.loads(json.dumps(everything, allow_nan=False))
+    with pytest.raises(ConnectionError, match="without /v1"):
+        asyncio.run(bench_serve.run(but(base_url=server.url + "/v1")))
+
 
 def test_overload_answers_503(model_dir: Path, tmp_path: Path) -> None:
     s = Server(

@@ -14,6 +14,7 @@ import json
 import time
 
 import numpy as np
+from args import count
 
 from ferryman import RequestParams, Scheduler, SchedulerConfig
 from ferryman.worker.block_table import BlockTable
@@ -21,9 +22,9 @@ from ferryman.worker.block_table import BlockTable
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, default=256)
-    p.add_argument("--context", type=int, default=512)
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--rows", type=count, default=256)
+    p.add_argument("--context", type=count, default=512)
+    p.add_argument("--steps", type=count, default=100)
     a = p.parse_args()
     bs, rows, ctx = 16, a.rows, a.context
     # room to decode through the prefill steps (the first prompts decode meanwhile) and the timed ones

@@ -44,8 +44,11 @@ async def run(url: str, words: int) -> str:
 
         _, (status, big_s), health_s = await asyncio.gather(stream(), big(), health())
     gaps.sort()
+    said = f"long prompt: {status} after {big_s:.2f} s; /health {health_s * 1e3:.0f} ms;"
+    if not gaps:  # the server refused the stream (a context under ~216 tokens?) or sent one chunk
+        return f"{said} the stream sent fewer than two chunks"
     return (
-        f"long prompt: {status} after {big_s:.2f} s; /health {health_s * 1e3:.0f} ms; stream gaps "
+        f"{said} stream gaps "
         f"median {gaps[len(gaps) // 2] * 1e3:.0f} ms, max {gaps[-1] * 1e3:.0f} ms ({len(gaps)} chunks)"
     )
 
@@ -55,7 +58,10 @@ def main() -> None:
     p.add_argument("url")
     p.add_argument("--words", type=int, default=2_000_000)
     a = p.parse_args()
-    print(asyncio.run(run(a.url, a.words)))
+    try:
+        print(asyncio.run(run(a.url, a.words)))
+    except httpx.TransportError as e:
+        p.exit(1, f"long_prompt.py: no server answers at {a.url}: {e!r}\n")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from args import count
+
 from ferryman.sim import SimConfig, gpu, model_shape, simulate, synthetic
 from ferryman.sim.sweep import plot, table
 
@@ -46,10 +48,12 @@ RUNS = [("recompute", "fcfs"), ("swap", "fcfs"), ("auto", "fcfs"), ("auto", "pri
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--num-requests", type=int, default=2500)
+    p.add_argument("--num-requests", type=count, default=2500)
     p.add_argument("--out", default=None, help="folder for the plots")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
+    if a.num_requests < 2:
+        p.error("--num-requests must be >= 2: the study compares interactive and batch requests")
     g, shape = gpu("h200"), model_shape("llama-3-8b")
     started = time.perf_counter()
     modes_wall = 0.0  # the sweep over the three modes alone (fcfs): the simulator's speed benchmark

@@ -24,6 +24,7 @@ from functools import partial
 
 import numpy as np
 import torch
+from args import count
 
 from ferryman import _core
 from ferryman.worker.sampler import Filters, sample_random
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", default="1,8,64", help="comma-separated rows per call")
     p.add_argument("--scale", type=float, default=4.0, help="logits ~ N(0, scale^2)")
     p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=count, default=5)
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     g = torch.Generator().manual_seed(0)

@@ -31,7 +31,8 @@ from typing import Any
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np
-from workload_trace import blocks_needed, generate, prompt, tokens
+from args import count
+from workload_trace import blocks_needed, generate, prompt, tokens, trace_problem
 
 from ferryman import RequestParams, Scheduler, SchedulerConfig
 
@@ -131,11 +132,11 @@ def replay(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", help="JSON trace to replay")
-    p.add_argument("--generate", type=int, metavar="N", help="generate an N-request trace")
-    p.add_argument("--arrivals-per-step", type=int, default=8)
+    p.add_argument("--generate", type=count, metavar="N", help="generate an N-request trace")
+    p.add_argument("--arrivals-per-step", type=count, default=8)
     p.add_argument("--out", help="with --generate: write the trace here and exit")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=count, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--num-device-blocks", type=int, help="default: every request fits at once")
@@ -160,10 +161,17 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(trace, f)
             return 0
     elif a.trace:
-        with open(a.trace) as f:
-            trace = json.load(f)
+        try:
+            with open(a.trace) as f:
+                trace = json.load(f)
+        except (OSError, ValueError) as e:
+            p.error(f"--trace {a.trace}: {e}")
     else:
         p.error("give --trace FILE or --generate N")
+    if (problem := trace_problem(trace)) is not None:
+        p.error(f"--trace {a.trace}: {problem}")
+    if a.block_size & (a.block_size - 1):
+        p.error(f"--block-size must be a power of two, got {a.block_size}")
 
     def config(num_device_blocks: int) -> SchedulerConfig:
         return SchedulerConfig(

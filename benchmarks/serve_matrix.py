@@ -19,6 +19,7 @@ import sys
 import time
 
 import httpx
+from args import count
 
 from ferryman import bench_serve
 from ferryman.cli import build_parser
@@ -56,12 +57,18 @@ def main() -> None:
     p.add_argument("--rates", default="0.5,4")
     p.add_argument("--tight-blocks", type=int, default=48, help="device KV blocks of the tight pool")
     p.add_argument("--modes", default="recompute,swap,auto")
-    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--num-prompts", type=count, default=32)
     p.add_argument("--input-len", default="32:128")
     p.add_argument("--output-len", default="16:64")
     a = p.parse_args()
+    try:
+        rates = [float(r) for r in a.rates.split(",")]
+    except ValueError:
+        p.error(f"--rates: comma-separated request rates, got {a.rates!r}")
+    if not all(r > 0 for r in rates):
+        p.error(f"--rates must be > 0 (inf: all at once), got {a.rates!r}")
     cells: list[tuple[float, str, int | None, str]] = []
-    for rate in (float(r) for r in a.rates.split(",")):
+    for rate in rates:
         cells.append((rate, "ample", None, "auto"))
         cells += [(rate, "tight", a.tight_blocks, m) for m in a.modes.split(",")]
     rows = []

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import httpx
+from args import count
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 256  # the tiny model's max_position_embeddings
@@ -338,7 +339,7 @@ def soak(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "completed": tally.completed,
         "cancel_missed": tally.cancel_missed,
         "duration_s": round(duration, 1),
-        "throughput_rps": round(a.requests / duration, 2),
+        "throughput_rps": round(tally.done / duration, 2),  # requests that ended, in any way
         "output_tokens": tally.output_tokens,
         "output_tokens_per_s": round(tally.output_tokens / duration, 1),
         "concurrency": a.concurrency,
@@ -374,9 +375,9 @@ def soak(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=10_000)
+    p.add_argument("--requests", type=count, default=10_000)
     p.add_argument("--smoke", action="store_true", help="200 requests (RSS measured after 100)")
-    p.add_argument("--concurrency", type=int, default=64, help="requests in flight")
+    p.add_argument("--concurrency", type=count, default=64, help="requests in flight")
     p.add_argument("--cancel-fraction", type=float, default=0.1, help="streams closed after 1-3 chunks")
     p.add_argument("--block-size", type=int, default=4)
     p.add_argument("--num-device-blocks", type=int, default=64, help="device KV blocks (tight)")

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from args import count
+
 HERE = Path(__file__).resolve().parents[1] / "python"
 
 
@@ -44,7 +46,7 @@ def one_run(pythonpath: Path, prompt: str) -> tuple[float, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=count, default=3)
     p.add_argument("--other", type=Path, default=None, help="another checkout's python/ folder")
     p.add_argument("--prompt", default="Write a haiku about rivers.")
     a = p.parse_args()

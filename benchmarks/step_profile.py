@@ -22,6 +22,7 @@ import json
 import time
 
 import numpy as np
+from args import count
 
 from ferryman import bench
 from ferryman.engine import Engine
@@ -33,7 +34,7 @@ BUCKETS = [(1, 8), (8, 16), (16, 24), (24, 32), (32, 48), (48, 65), (65, 257)]
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--num-prompts", type=count, default=64)
     p.add_argument("--input-len", default="32:256")
     p.add_argument("--output-len", default="16:256")
     p.add_argument("--token-range", default="100:1000")

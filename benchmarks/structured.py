@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from args import count
 from tiny import tiny_model
 
 import ferryman.worker.sampling_table as st
@@ -92,8 +93,8 @@ def run(eng: Engine, so: StructuredOutputsParams | None, n: int, max_tokens: int
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2", help="'smollm2' (default), 'tiny', or a model path")
-    ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--requests", type=count, default=8)
+    ap.add_argument("--max-tokens", type=count, default=48)
     a = ap.parse_args(argv)
     model = tiny_model(Path(tempfile.mkdtemp())) if a.model == "tiny" else a.model
     eng = Engine(model, device="cpu", calibrate=False, seed=0, max_model_len=256, async_scheduling=False)

@@ -52,6 +52,22 @@ def generate(n: int, seed: int, per_step: int) -> list[dict[str, int]]:
     ]
 
 
+def trace_problem(trace: object) -> str | None:
+    """What makes ``trace`` unplayable (said in one line), or None: a non-empty list of requests
+    with distinct integer ids, arrival steps >= 0 and lengths >= 1."""
+    if not isinstance(trace, list) or not trace:
+        return "a trace is a non-empty JSON list of requests"
+    keys = ("id", "arrival_step", "prompt_len", "output_len")
+    for i, r in enumerate(trace):
+        if not isinstance(r, dict) or not all(type(r.get(k)) is int for k in keys):
+            return f"request {i} needs integer {', '.join(keys)}"
+        if r["id"] < 0 or r["arrival_step"] < 0 or r["prompt_len"] < 1 or r["output_len"] < 1:
+            return f"request {i}: id and arrival_step must be >= 0, prompt_len and output_len >= 1"
+    if len({r["id"] for r in trace}) < len(trace):
+        return "two requests share an id"
+    return None
+
+
 def blocks_needed(trace: list[dict[str, int]], block_size: int) -> list[int]:
     """Blocks each request holds when complete."""
     return [-(-(r["prompt_len"] + r["output_len"]) // block_size) for r in trace]

@@ -325,6 +325,8 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="a tiny dry run on CPU (what CI checks)")
     p.add_argument("--out", help="also write the report here after every section (a timeout keeps those)")
     a = p.parse_args()
+    if not a.smoke and not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (--smoke runs the same code on CPU)")
     dev = torch.device("cpu" if a.smoke else "cuda")
     name = "cpu (smoke)" if a.smoke else torch.cuda.get_device_name()
     report: dict[str, Any] = {"gpu": name, "torch": torch.__version__}

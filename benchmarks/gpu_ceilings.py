@@ -82,6 +82,8 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="a tiny dry run on CPU (what CI checks)")
     p.add_argument("--out", help="also write the report here after every shape (a timeout keeps those)")
     a = p.parse_args()
+    if not a.smoke and not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (--smoke runs the same code on CPU)")
     dev = torch.device("cpu" if a.smoke else "cuda")
     div = 64 if a.smoke else 1
     copy = copy_bandwidth(dev, (1 << 20) if a.smoke else (2 << 30))

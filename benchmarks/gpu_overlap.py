@@ -192,6 +192,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--smoke", action="store_true", help="a tiny dry run on CPU (what CI checks)")
     a = p.parse_args()
+    if not a.smoke and not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (--smoke runs the same code on CPU)")
     # SmolLM2-135M's shape (30 layers, hidden 576, 9 heads of 64 over 3 KV heads, vocabulary
     # 49152) in float16: FlashInfer compiles each head size and dtype on first use (minutes on a
     # bare machine), and tests/gpu compiles float16 at head size 64

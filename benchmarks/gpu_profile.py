@@ -144,6 +144,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--smoke", action="store_true", help="a tiny dry run on CPU (what CI checks)")
     a = p.parse_args()
+    if not a.smoke and not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (--smoke runs the same code on CPU)")
     dev = torch.device("cpu" if a.smoke else "cuda")
     report: dict[str, Any] = {
         "gpu": "cpu (smoke)" if a.smoke else torch.cuda.get_device_name(),

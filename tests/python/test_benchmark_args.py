@@ -1,6 +1,6 @@
 """The benchmark scripts refuse input they cannot run with one line and exit status 2 (argparse's)
 instead of a traceback halfway through: counts below 1, a trace that is empty, not JSON or holds
-two requests with one id, a rate of 0."""
+two requests with one id, a rate of 0, a GPU script without a GPU."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,6 +26,12 @@ ROOT = Path(__file__).resolve().parents[2]
         ("preemption_study.py", ["--num-requests", "1"], "--num-requests must be >= 2"),
         ("serve_matrix.py", ["--rates", "0"], "--rates must be > 0"),
         ("soak.py", ["--concurrency", "0"], "--concurrency: must be >= 1"),
+        pytest.param(
+            "gpu_ceilings.py",
+            [],
+            "needs a CUDA GPU (--smoke runs the same code on CPU)",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there: it would run"),
+        ),
     ],
 )
 def test_a_script_refuses_what_it_cannot_run(tmp_path: Path, script: str, args: list[str], said: str) -> None:

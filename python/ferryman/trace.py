@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -80,14 +81,19 @@ class TraceWriter:
 
 
 def read_trace(path: str | Path) -> Iterator[dict[str, Any]]:
+    """The trace's records; a last line cut short (no newline: a writer still running, or killed)
+    is left out with a warning."""
     with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
+        for n, raw in enumerate(f, 1):
+            line = raw.strip()
             if not line:
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
+                if not raw.endswith("\n"):
+                    warnings.warn(f"{path}:{n}: an unfinished last line, left out", stacklevel=2)
+                    return
                 raise ValueError(f"{path}:{n}: not a JSON trace line ({e.msg})") from None
             if not isinstance(record, dict):
                 raise ValueError(f"{path}:{n}: a trace line is a JSON object, got {type(record).__name__}")

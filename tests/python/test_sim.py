@@ -137,6 +137,13 @@ def test_cli_sim_sweep_and_trace(tmp_path: Path, capsys: pytest.CaptureFixture[s
     events = [x for x in records if x["type"] == "preemption"]
     assert len(events) == report["preemptions_recompute"] + report["preemptions_swap"] > 0
     assert Path(plot_trace(trace, tmp_path / "t.png")).read_bytes()[:4] == b"\x89PNG"
+    cut = tmp_path / "cut.jsonl"  # a server killed mid-line
+    cut.write_text(trace.read_text() + '{"type": "step", "st')
+    with pytest.warns(UserWarning, match="unfinished last line"):
+        assert len(list(read_trace(cut))) == len(records)
+    cut.write_text('{"type": "st\n' + trace.read_text())  # inside the file it is still an error
+    with pytest.raises(ValueError, match=r"cut\.jsonl:1: not a JSON trace line"):
+        list(read_trace(cut))
     png = tmp_path / "sweep.png"
     assert main([*common, "--sweep", "preemption_mode=recompute,swap,auto", "--plot", str(png)]) == 0
     out = capsys.readouterr().out

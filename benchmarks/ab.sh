@@ -15,6 +15,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 REV=${1:?usage: benchmarks/ab.sh REV [ROUNDS]}
 ROUNDS=${2:-4}
+[[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || { echo "ab.sh: ROUNDS must be a whole number >= 1, got '$ROUNDS'" >&2; exit 2; }
+git rev-parse --verify -q "$REV^{commit}" >/dev/null || { echo "ab.sh: no such revision: $REV" >&2; exit 2; }
 source scripts/setup.sh >/dev/null
 WORK=$(mktemp -d /tmp/ferryman-ab.XXXXXX)
 trap 'git worktree remove --force "$WORK/old" >/dev/null 2>&1 || true' EXIT

@@ -94,7 +94,7 @@ def preemptions(metrics_text: str) -> dict[str, float]:
     """``ferryman_preemptions_total`` by mode, from a /metrics page."""
     out: dict[str, float] = {}
     for line in metrics_text.splitlines():
-        if line.startswith("ferryman_preemptions_total{"):
+        if line.startswith("ferryman_preemptions_total{") and 'mode="' in line:
             labels, _, value = line.rpartition(" ")
             mode = labels.split('mode="', 1)[1].split('"', 1)[0]
             out[mode] = out.get(mode, 0.0) + float(value)

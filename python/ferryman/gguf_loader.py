@@ -146,15 +146,17 @@ def load_gguf(
 
 def convert(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Any]:
     """The file's config, its tensors (float32, Hugging Face names and RoPE layout) and its
-    tokenizer: the slow part of loading, which ``load_gguf`` caches."""
+    tokenizer (None for a file without one): the slow part of loading, which ``load_gguf``
+    caches."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     meta = _meta(reader)
-    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    tensors = read_tensors(reader)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = len(tokens.data) if tokens is not None else tensors["model.embed_tokens.weight"].shape[0]
     cfg = config_from_gguf(meta, vocab)
     permuted = meta["general.architecture"] == "llama"
-    tensors = read_tensors(reader)
     factors = tensors.pop("rope_freqs.weight", None)
     if factors is not None:
         cfg.rope_freq_factors = [float(f) for f in factors.flatten().tolist()]
@@ -165,7 +167,9 @@ def convert(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Any]:
             q, k = f"model.layers.{i}.q_proj.weight", f"model.layers.{i}.k_proj.weight"
             tensors[q] = unpermute_rows(tensors[q], cfg.num_heads)
             tensors[k] = unpermute_rows(tensors[k], cfg.num_kv_heads)
-    return cfg, tensors, gguf_tokenizer(path)
+    # a file without a tokenizer serves token ids only, as a Hugging Face folder without one
+    has_tokenizer = "tokenizer.ggml.model" in reader.fields and tokens is not None
+    return cfg, tensors, gguf_tokenizer(path) if has_tokenizer else None
 
 
 def read_tensors(reader: Any) -> dict[str, torch.Tensor]:

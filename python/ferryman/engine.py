@@ -138,7 +138,7 @@ class Engine(FaultsMixin, OfflineMixin):
             n=params.n,
             detokenize=self.tokenizer is not None,
             stop=params.stop,
-            min_tokens=params.min_tokens,
+            min_tokens=min(params.min_tokens, max(1, max_tokens)),  # an open max_tokens cuts it too
             include_stop_str_in_output=params.include_stop_str_in_output,
             skip_reading_prefix_cache=params.prompt_logprobs is not None,
             grammar_kind=kind,

@@ -199,9 +199,11 @@ def test_a_refused_request_or_call_leaves_nothing_queued(models: dict[str, Path]
             eng.add_request(name, [3, 4], SamplingParams(max_tokens=2, **{name: 21}))  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError, match="request_id must be a string, got int"):
         eng.add_request(7, [3, 4], GREEDY)  # type: ignore[arg-type]
-    # an open max_tokens is the room the prompt leaves: min_tokens past it is refused (vLLM's rule)
-    with pytest.raises(InvalidRequestError, match=r"min_tokens \(9\) must be <= max_tokens \(4\)"):
-        eng.add_request("room", list(range(3, 63)), SamplingParams(max_tokens=None, min_tokens=9))
+    # an open max_tokens is the room the prompt leaves, and cuts min_tokens to it (vLLM's offline
+    # rule: it checks min_tokens against a max_tokens given, not against the room it fills in)
+    room = SamplingParams(temperature=0.0, max_tokens=None, min_tokens=9, ignore_eos=True)
+    out = eng.generate([list(range(3, 63))], room)[0].outputs[0]
+    assert (len(out.token_ids), out.finish_reason) == (4, "length")
     # a priority the fcfs policy would ignore is refused (vLLM's rule)
     with pytest.raises(InvalidRequestError, match="priority 1 needs the priority scheduling policy"):
         eng.generate([[3, 4]], dataclasses.replace(GREEDY, priority=1))

@@ -124,9 +124,19 @@ def test_an_iterator_dropped_unread_aborts_its_request(model: Path) -> None:
 
     async def go() -> None:
         it = await ae.add("d1", [5, 6, 7], LONG, time.monotonic())
-        del it
-        gc.collect()
+        gc.disable()  # refcounting alone must drop it (a cycle waited for the collector)
+        try:
+            del it
+            await until(lambda: not eng.has_unfinished_requests())
+        finally:
+            gc.enable()
+        # an iterator dropped after its request ended aborts nothing, not a later one of its id
+        done = await ae.add("r", [5, 6, 7], SHORT, time.monotonic())
         await until(lambda: not eng.has_unfinished_requests())
+        later = await ae.add("r", [5, 6, 7], SHORT, time.monotonic())
+        del done
+        got = [u async for u in later]
+        assert sum(len(u.deltas[0].token_ids) for u in got) == 5 and got[-1].finished
 
     asyncio.run(go())
     ae.shutdown()

@@ -146,7 +146,7 @@ class AsyncEngine:
             raise first
         # dropped unread: the abort is only queued (what a finalizer may do: no lock, no event)
         return RequestUpdates(
-            q, lambda: self.abort(request_id), lambda: self._cmds.put(("abort", request_id, None))
+            q, lambda: self.abort(request_id), lambda: self._cmds.put(("abort", request_id, stream))
         )
 
     def abort(self, request_id: str) -> None:

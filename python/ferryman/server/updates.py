@@ -91,6 +91,23 @@ class DrainingError(RuntimeError):
     """The server is shutting down and accepts no new request."""
 
 
+async def _read(q: asyncio.Queue[Any], abort: Callable[[], None]) -> AsyncGenerator[Update, None]:
+    """A request's updates from its queue; left before its end, it aborts the request."""
+    finished = False
+    try:
+        while not finished:
+            item = await q.get()
+            if isinstance(item, BaseException):
+                raise item
+            finished = item.finished
+            if item.error is not None:
+                raise RequestFailedError(item.error)
+            yield item
+    finally:
+        if not finished:
+            abort()
+
+
 class RequestUpdates:
     """``AsyncEngine.add``'s iterator. Closing it aborts its request unless finished, even before the first
     ``__anext__``: an async generator that never started skips its ``finally`` when closed (a
@@ -99,22 +116,8 @@ class RequestUpdates:
 
     def __init__(self, q: asyncio.Queue[Any], abort: Callable[[], None], dropped: Callable[[], None]) -> None:
         """``dropped``: aborts from a finalizer (``__del__`` may run inside any lock's holder)."""
-        self._gen, self._abort, self._dropped, self._started = self._read(q), abort, dropped, False
-
-    async def _read(self, q: asyncio.Queue[Any]) -> AsyncGenerator[Update, None]:
-        finished = False
-        try:
-            while not finished:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                if item.error is not None:
-                    raise RequestFailedError(item.error)
-                yield item
-        finally:
-            if not finished:
-                self._abort()
+        # the generator holds no reference to this object: dropped, it goes at once (no cycle)
+        self._gen, self._abort, self._dropped, self._started = _read(q, abort), abort, dropped, False
 
     def __aiter__(self) -> RequestUpdates:
         return self

@@ -19,6 +19,7 @@ machine), so what ``convert`` produces is cached by the file's hash (``gguf_cach
 
 from __future__ import annotations
 
+import json
 import shutil
 import warnings
 from pathlib import Path
@@ -133,7 +134,7 @@ def load_gguf(
     if gguf_cache.holds(cache):
         try:
             return gguf_cache.load(cache, dtype, device, tp)
-        except (OSError, ValueError, SafetensorError) as e:  # damaged (a crash mid-write): rebuilt
+        except (OSError, SafetensorError, json.JSONDecodeError, TypeError) as e:  # damaged or stale: rebuilt
             said = f"ferryman: the GGUF conversion cache {cache} cannot be read ({e}); rebuilt"
             warnings.warn(said, stacklevel=2)
             shutil.rmtree(cache, ignore_errors=True)

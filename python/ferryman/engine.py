@@ -206,7 +206,7 @@ class Engine(FaultsMixin, OfflineMixin):
         if self.dead is not None:
             raise EngineDeadError(f"engine stopped: {self.dead!r}") from self.dead
         try:
-            res = self._step()
+            res = self._reraise_interrupt(self._step())
             if self._held:  # the outputs steps inside a generate() made for add_request's requests
                 res.outputs[:0], self._held = self._held, []
             return res
@@ -246,7 +246,7 @@ class Engine(FaultsMixin, OfflineMixin):
                 except BaseException as e:
                     error = e
                 finally:
-                    result = applied.result()
+                    result = self._through_ctrl_c(applied.result)
             else:  # CUDA: the device runs `nxt` (launched, not waited for) while `prev` is applied
                 if nxt is not None:
                     try:
@@ -278,7 +278,7 @@ class Engine(FaultsMixin, OfflineMixin):
     def _apply(self, out: Any, sampled: Sampled | None) -> StepResult:
         """``update()`` with the step's samples, then its outputs, statistics and preemptions."""
         assert sampled is not None, "the step ran"
-        ids = sampled.host_ids()
+        ids = self._through_ctrl_c(sampled.host_ids)  # where CUDA's async path waits
         if sampled.prompt_logprobs:
             self._outputs.add_prompt_logprobs(sampled.prompt_logprobs)
         failed, ids = self._fail_non_finite(out, sampled, ids)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -17,6 +17,7 @@ from ferryman.output_processor import OutputProcessor
 from ferryman.outputs import PreemptionEvent, RequestOutput, StepResult, StepStats
 from ferryman.worker.tp_workers import RankFailedError
 
+T = TypeVar("T")
 MAX_STEP_FAILURES = 3  # failed steps within FAILURE_WINDOW_S that mark the engine dead
 FAILURE_WINDOW_S = 60.0
 NON_FINITE = "the model's logits for this request are not finite (NaN or inf); the request failed"
@@ -27,6 +28,8 @@ class EngineDeadError(RuntimeError):
 
 
 class FaultsMixin:
+    _interrupt: BaseException | None = None  # a Ctrl-C kept through a wait (`_through_ctrl_c`)
+
     if TYPE_CHECKING:
         scheduler: Scheduler
         _outputs: OutputProcessor
@@ -49,6 +52,27 @@ class FaultsMixin:
             stop()
         if self.dead is None:
             self.dead = EngineDeadError("the engine was shut down")
+
+    def _through_ctrl_c(self, wait: Callable[[], T]) -> T:
+        """``wait()`` (for the device's samples, or for the apply beside the forward) run to its
+        end even when a Ctrl-C lands in it, as it does there on CUDA with async scheduling: the
+        interrupt is kept and raised by ``_reraise_interrupt`` once the step is applied."""
+        while True:
+            try:
+                return wait()
+            except Exception:
+                raise
+            except BaseException as e:
+                self._interrupt = e
+
+    def _reraise_interrupt(self, res: StepResult) -> StepResult:
+        """``res``, or, with a Ctrl-C kept, its outputs held for the next ``step()`` and the
+        interrupt raised."""
+        if self._interrupt is None:
+            return res
+        e, self._interrupt = self._interrupt, None
+        self._held.extend(res.outputs)
+        raise e
 
     def _inflight_failed(self, error: BaseException, done: StepResult | None = None) -> StepResult:
         """The planned step raised while it ran: fails it; no step is left in flight. ``done``:
@@ -83,6 +107,7 @@ class FaultsMixin:
         if not isinstance(error, Exception):
             self._held.extend(outputs)
             self._events.pop(plan.step, None)
+            self._interrupt = None  # one Ctrl-C, raised once
             raise error
         self._failures.append(now)
         while self._failures[0] < now - FAILURE_WINDOW_S:

@@ -138,7 +138,9 @@ class OfflineMixin:
             if bar is not None:
                 bar.close()
         while self._inflight is not None and not self.scheduler.has_unfinished_requests():
-            self.step()  # a step planned before the last stop: only dropped samples are left
+            # a step planned before the last stop: only dropped samples are left, and the outputs
+            # held for add_request's callers, which step() hands back: held again, not lost
+            self._held = self.step().outputs
         return [final[rid] for rid in ids]
 
     def _fit(self, sp: SamplingParams, ids: Sequence[int]) -> SamplingParams:

@@ -10,6 +10,7 @@ would meet it; step failures are injected with ``FERRYMAN_TEST_FAULT_STEPS``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import threading
@@ -134,6 +135,60 @@ def test_ctrl_c_inside_a_forward_fails_that_step_and_the_engine_goes_on(
     assert_pools_empty(eng)
     assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS, GREEDY)] == want  # it goes on
     assert not eng._failures  # an interruption is no step failure
+
+
+@pytest.mark.parametrize("wait", ["device", "applier"])
+def test_ctrl_c_in_an_async_steps_wait_is_raised_once_the_step_is_applied(
+    model: Path, wait: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With async scheduling the host waits outside the forward: on CUDA for the samples
+    (``Sampled.host_ids``, taken here by running without the CPU's applier thread), on CPU for
+    the apply beside the forward. A Ctrl-C there left the core with a step open (the next call
+    failed); now the step is applied first, and nothing is lost."""
+    from ferryman.worker.step_worker import Sampled
+
+    want = [alone(model, p) for p in PROMPTS]
+    eng = engine(model, True, num_device_blocks=64)
+    eng.add_request("other", PROMPTS[2], dataclasses.replace(GREEDY, output_kind="delta"))  # none lost
+    calls = []
+    if wait == "device":
+        eng._applier = None
+        real_ids = Sampled.host_ids
+
+        def host_ids(self: Sampled) -> Any:
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return real_ids(self)
+
+        monkeypatch.setattr(Sampled, "host_ids", host_ids)
+    else:
+        assert eng._applier is not None
+        real_submit = eng._applier.submit
+
+        class Interrupted:  # the first wait for it is interrupted, as a Ctrl-C would
+            def __init__(self, f: Any) -> None:
+                self.f = f
+
+            def result(self) -> Any:
+                calls.append(1)
+                if len(calls) == 2:
+                    self.f.result()
+                    raise KeyboardInterrupt
+                return self.f.result()
+
+        monkeypatch.setattr(eng._applier, "submit", lambda *a: Interrupted(real_submit(*a)))
+    with pytest.raises(KeyboardInterrupt):
+        eng.generate(PROMPTS[:2], GREEDY)
+    monkeypatch.undo()
+    assert eng.dead is None
+    assert [o.outputs[0].token_ids for o in eng.generate(PROMPTS[:2], GREEDY)] == want[:2]  # it goes on
+    other = []
+    while eng.has_unfinished_requests():
+        other += [o for o in eng.step().outputs if o.request_id == "other"]
+    assert other[-1].finished and other[-1].error is None
+    assert [t for o in other for t in o.outputs[0].token_ids] == want[2]
+    assert_pools_empty(eng)
 
 
 def test_steps_that_keep_failing_mark_the_engine_dead(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -118,7 +118,7 @@ impl KvCacheManager {
     pub fn match_prefix(&self, hashes: &[u128]) -> (usize, usize) {
         let mut num_free_hits = 0;
         for (i, &h) in hashes.iter().enumerate() {
-            match self.prefix_cache.lookup(h) {
+            match self.prefix_cache.lookup(&self.device, h) {
                 Some(b) => num_free_hits += usize::from(self.device.ref_cnt(b) == 0),
                 None => return (i, num_free_hits),
             }
@@ -136,7 +136,7 @@ impl KvCacheManager {
         let mut table = std::mem::take(&mut self.tables[idx.get()]);
         table.reserve(hit_hashes.len() + num_new);
         for &h in hit_hashes {
-            let b = self.prefix_cache.lookup(h).expect("match_prefix saw this hash");
+            let b = self.prefix_cache.lookup(&self.device, h).expect("match_prefix saw this hash");
             self.device.touch(b);
             table.push(b as i32);
         }
@@ -215,7 +215,7 @@ impl KvCacheManager {
     fn allocate_block(&mut self) -> Option<u32> {
         let b = self.device.allocate()?;
         if self.enable_prefix_caching {
-            self.prefix_cache.evict(b);
+            self.prefix_cache.evict(&mut self.device, b);
         }
         Some(b)
     }
@@ -228,7 +228,7 @@ impl KvCacheManager {
         let mut freed = 0;
         for &b in table.iter().rev() {
             let b = b as u32;
-            freed += usize::from(self.device.free(b, self.prefix_cache.is_cached(b)));
+            freed += usize::from(self.device.free(b, PrefixCache::is_cached(&self.device, b)));
         }
         let mut table = table;
         table.clear();
@@ -240,7 +240,7 @@ impl KvCacheManager {
     pub fn truncate(&mut self, idx: ReqIdx, keep: usize) {
         while self.tables[idx.get()].len() > keep {
             let b = self.tables[idx.get()].pop().expect("len > keep") as u32;
-            self.device.free(b, self.prefix_cache.is_cached(b));
+            self.device.free(b, PrefixCache::is_cached(&self.device, b));
         }
     }
 
@@ -261,7 +261,7 @@ impl KvCacheManager {
     pub fn cache_blocks(&mut self, idx: ReqIdx, hashes: &[u128], from: usize, to: usize) {
         let table = &self.tables[idx.get()];
         for i in from..to {
-            self.prefix_cache.insert(table[i] as u32, hashes[i]);
+            self.prefix_cache.insert(&mut self.device, table[i] as u32, hashes[i]);
         }
     }
 
@@ -275,7 +275,7 @@ impl KvCacheManager {
     pub fn num_surviving_prefix_blocks(&self, idx: ReqIdx) -> usize {
         self.tables[idx.get()]
             .iter()
-            .take_while(|&&b| self.device.ref_cnt(b as u32) > 1 && self.prefix_cache.is_cached(b as u32))
+            .take_while(|&&b| self.device.ref_cnt(b as u32) > 1 && PrefixCache::is_cached(&self.device, b as u32))
             .count()
     }
 
@@ -287,15 +287,16 @@ impl KvCacheManager {
         self.device.check("device pool")?;
         self.host.check("host pool")?;
         if self.enable_prefix_caching {
-            self.prefix_cache.check()?;
+            self.prefix_cache.check(&self.device)?;
         }
         check_ref_counts("device", &self.device, &self.tables)?;
         check_ref_counts("host", &self.host, &self.host_tables)?;
         for (i, table) in self.tables.iter().enumerate() {
             // sharing outside the prefix cache comes only from forks, which must be marked so
             // that a write into a shared block copies it first
-            let shared_uncached =
-                table.iter().any(|&b| self.device.ref_cnt(b as u32) > 1 && !self.prefix_cache.is_cached(b as u32));
+            let shared_uncached = table
+                .iter()
+                .any(|&b| self.device.ref_cnt(b as u32) > 1 && !PrefixCache::is_cached(&self.device, b as u32));
             if shared_uncached && !self.forked[i] {
                 return Err(format!("request index {i} shares an uncached block but is not marked forked"));
             }

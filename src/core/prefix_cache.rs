@@ -9,22 +9,24 @@
 //! different prefixes differ; a false hit needs a 128-bit collision. When two requests compute
 //! the same block at once, the first registered keeps the entry; the other block stays private.
 //!
-//! The map is keyed by the hash's low 64 bits (half the memory of 128-bit keys, and the map's
-//! random accesses are what prefix caching costs); a hit is confirmed against the block's full
-//! 128-bit hash, and a key already taken by other content counts as cached elsewhere.
+//! Each block's current hash lives in the device `BlockPool`'s record of it, beside its count
+//! and free-list links. The map is a table of block ids alone (4 bytes a block), placed by the
+//! hash's low 64 bits and told apart by the block's full hash in the pool: at ~10^5 blocks it
+//! fits in a core's L2 cache, where a map holding the keys did not (its random accesses were most
+//! of what prefix caching cost). Removing a block compares ids, so it reads no other block.
 //!
-//! Invariant: `hash_to_block[key(h)] == b` implies `block_hash[b] == h`.
+//! Invariants: the table holds each block with a hash (`pool.hash(b) != NO_HASH`) once, placed
+//! by that hash, and no other block; no two blocks hold the same hash.
 
-use rustc_hash::FxHashMap;
+use hashbrown::hash_table::{Entry, HashTable};
 use xxhash_rust::xxh3::xxh3_128_with_seed;
 
-const NO_HASH: u128 = 0;
+use crate::block_pool::{BlockPool, NO_HASH};
 
-/// Hash-to-block map of the device pool plus each block's current hash.
+/// The device pool's registered blocks, found by content hash.
 #[derive(Debug, Clone)]
 pub struct PrefixCache {
-    block_hash: Vec<u128>,
-    hash_to_block: FxHashMap<u64, u32>,
+    blocks: HashTable<u32>,
     scratch: Vec<u8>,
 }
 
@@ -67,7 +69,7 @@ fn chain<const N: usize>(hashes: &mut Vec<u128>, token_ids: &[i32], buf: &mut [u
     }
 }
 
-/// The map key of a block hash.
+/// Where the table places a block hash.
 #[inline]
 fn key(hash: u128) -> u64 {
     hash as u64
@@ -76,52 +78,55 @@ fn key(hash: u128) -> u64 {
 impl PrefixCache {
     /// An empty cache over a pool of `num_blocks` blocks.
     pub fn new(num_blocks: usize) -> Self {
-        let mut hash_to_block = FxHashMap::default();
-        hash_to_block.reserve(num_blocks); // never rehashes: a block holds at most one entry
-        Self { block_hash: vec![NO_HASH; num_blocks], hash_to_block, scratch: Vec::new() }
+        // never grows: a block holds at most one entry
+        Self { blocks: HashTable::with_capacity(num_blocks), scratch: Vec::new() }
     }
 
-    /// The block holding content `hash`, if any.
+    /// The block of `pool` holding content `hash`, if any.
     #[inline]
-    pub fn lookup(&self, hash: u128) -> Option<u32> {
-        self.hash_to_block.get(&key(hash)).copied().filter(|&b| self.block_hash[b as usize] == hash)
+    pub fn lookup(&self, pool: &BlockPool, hash: u128) -> Option<u32> {
+        self.blocks.find(key(hash), |&b| pool.hash(b) == hash).copied()
     }
 
     /// Whether `block` holds registered content (worth keeping when freed).
     #[inline]
-    pub fn is_cached(&self, block: u32) -> bool {
-        self.block_hash[block as usize] != NO_HASH
+    pub fn is_cached(pool: &BlockPool, block: u32) -> bool {
+        pool.hash(block) != NO_HASH
     }
 
     /// Registers `block` as holding `hash` unless that content is already cached elsewhere.
     #[inline]
-    pub fn insert(&mut self, block: u32, hash: u128) {
-        if self.block_hash[block as usize] != NO_HASH {
+    pub fn insert(&mut self, pool: &mut BlockPool, block: u32, hash: u128) {
+        if pool.hash(block) != NO_HASH {
             return;
         }
-        if let std::collections::hash_map::Entry::Vacant(e) = self.hash_to_block.entry(key(hash)) {
+        let at = |b: &u32| key(pool.hash(*b));
+        if let Entry::Vacant(e) = self.blocks.entry(key(hash), |&b| pool.hash(b) == hash, at) {
             e.insert(block);
-            self.block_hash[block as usize] = hash;
+            pool.set_hash(block, hash);
         }
     }
 
     /// Forgets what `block` held; called when the pool hands it out again.
     #[inline]
-    pub fn evict(&mut self, block: u32) {
-        let h = std::mem::replace(&mut self.block_hash[block as usize], NO_HASH);
+    pub fn evict(&mut self, pool: &mut BlockPool, block: u32) {
+        let h = pool.hash(block);
         if h != NO_HASH {
-            self.hash_to_block.remove(&key(h));
+            pool.set_hash(block, NO_HASH);
+            if let Ok(e) = self.blocks.find_entry(key(h), |&b| b == block) {
+                e.remove();
+            }
         }
     }
 
     /// Number of cached blocks.
     pub fn len(&self) -> usize {
-        self.hash_to_block.len()
+        self.blocks.len()
     }
 
     /// True when nothing is cached.
     pub fn is_empty(&self) -> bool {
-        self.hash_to_block.is_empty()
+        self.blocks.is_empty()
     }
 
     /// Computes missing block hashes of `token_ids` into `hashes` (see `extend_block_hashes`).
@@ -129,16 +134,20 @@ impl PrefixCache {
         extend_block_hashes(hashes, token_ids, block_size, &mut self.scratch);
     }
 
-    /// Checks map/array agreement (`check_invariants`).
-    pub fn check(&self) -> Result<(), String> {
-        for (&k, &b) in &self.hash_to_block {
-            if key(self.block_hash[b as usize]) != k {
-                return Err(format!("prefix cache maps a hash to block {b}, which holds another"));
+    /// Checks that the table and `pool`'s hashes agree (`check_invariants`).
+    pub fn check(&self, pool: &BlockPool) -> Result<(), String> {
+        for &b in &self.blocks {
+            let h = pool.hash(b);
+            if h == NO_HASH || self.blocks.find(key(h), |&x| x == b).is_none() {
+                return Err(format!("prefix cache lists block {b}, which holds no registered content"));
+            }
+            if self.lookup(pool, h) != Some(b) {
+                return Err(format!("prefix cache holds block {b}'s content twice"));
             }
         }
-        let n = self.block_hash.iter().filter(|&&h| h != NO_HASH).count();
-        if n != self.hash_to_block.len() {
-            return Err(format!("{n} blocks carry a hash but the map has {}", self.hash_to_block.len()));
+        let n = (0..pool.num_blocks() as u32).filter(|&b| pool.hash(b) != NO_HASH).count();
+        if n != self.blocks.len() {
+            return Err(format!("{n} blocks carry a hash but the prefix cache lists {}", self.blocks.len()));
         }
         Ok(())
     }
@@ -176,28 +185,38 @@ mod tests {
 
     #[test]
     fn first_registration_wins_and_evict_forgets() {
-        let mut pc = PrefixCache::new(4);
-        pc.insert(1, 77);
-        pc.insert(2, 77);
-        assert_eq!(pc.lookup(77), Some(1));
-        assert!(!pc.is_cached(2));
-        pc.evict(1);
-        assert_eq!(pc.lookup(77), None);
-        pc.check().unwrap();
+        let (mut pc, mut pool) = (PrefixCache::new(4), BlockPool::new(3));
+        pc.insert(&mut pool, 1, 77);
+        pc.insert(&mut pool, 2, 77);
+        assert_eq!(pc.lookup(&pool, 77), Some(1));
+        assert!(!PrefixCache::is_cached(&pool, 2));
+        pc.evict(&mut pool, 1);
+        assert_eq!(pc.lookup(&pool, 77), None);
+        pc.check(&pool).unwrap();
     }
 
     #[test]
-    fn a_key_shared_by_two_hashes_hits_only_the_registered_one() {
-        let (a, b) = (5u128, (9u128 << 64) | 5); // same low 64 bits
-        let mut pc = PrefixCache::new(4);
-        pc.insert(1, a);
-        pc.insert(2, b);
-        assert_eq!(pc.lookup(a), Some(1));
-        assert_eq!(pc.lookup(b), None); // confirmed against block 1's full hash
-        assert!(!pc.is_cached(2));
-        pc.evict(1);
-        pc.insert(2, b);
-        assert_eq!(pc.lookup(b), Some(2));
-        pc.check().unwrap();
+    fn two_hashes_in_one_place_are_told_apart() {
+        let (a, b) = (5u128, (9u128 << 64) | 5); // same low 64 bits: the same place in the table
+        let (mut pc, mut pool) = (PrefixCache::new(4), BlockPool::new(3));
+        pc.insert(&mut pool, 1, a);
+        assert_eq!(pc.lookup(&pool, b), None); // told apart by block 1's full hash
+        pc.insert(&mut pool, 2, b);
+        assert_eq!((pc.lookup(&pool, a), pc.lookup(&pool, b)), (Some(1), Some(2)));
+        pc.check(&pool).unwrap();
+        pc.evict(&mut pool, 1); // removes block 1's entry, not block 2's
+        assert_eq!((pc.lookup(&pool, a), pc.lookup(&pool, b)), (None, Some(2)));
+        pc.check(&pool).unwrap();
+    }
+
+    #[test]
+    fn check_finds_a_map_entry_whose_block_holds_other_content() {
+        let (mut pc, mut pool) = (PrefixCache::new(4), BlockPool::new(3));
+        pc.insert(&mut pool, 1, 77);
+        pool.set_hash(1, (0x7f << 57) | 77); // placed elsewhere (another tag in the table)
+        assert_eq!(pc.check(&pool).unwrap_err(), "prefix cache lists block 1, which holds no registered content");
+        pool.set_hash(1, 77);
+        pool.set_hash(2, 77);
+        assert_eq!(pc.check(&pool).unwrap_err(), "2 blocks carry a hash but the prefix cache lists 1");
     }
 }

@@ -54,7 +54,7 @@ impl KvCacheManager {
         let host_table = std::mem::take(&mut self.host_tables[s]);
         let mut table = std::mem::take(&mut self.tables[s]);
         for &h in prefix_hashes {
-            let b = self.prefix_cache.lookup(h).expect("match_prefix saw this hash");
+            let b = self.prefix_cache.lookup(&self.device, h).expect("match_prefix saw this hash");
             self.device.touch(b);
             table.push(b as i32);
         }

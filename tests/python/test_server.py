@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import os
 import socket
@@ -635,6 +636,28 @@ def test_echo_with_logprobs_as_lm_eval_asks(server: Server, offline: Engine) -> 
         got = [s["logprobs"] for s in streamed if s["index"] == c["index"] and s["logprobs"]["tokens"]]
         assert len(got) == 1 and got[0]["tokens"] == c["logprobs"]["tokens"]
         assert got[0]["token_logprobs"] == pytest.approx(c["logprobs"]["token_logprobs"], abs=1e-5)
+
+
+def test_echoed_logprobs_sizes_and_offsets_are_each_their_own(server: Server) -> None:
+    """With echo, ``logprobs`` and ``prompt_logprobs`` each give the top N asked for (the engine
+    computes one top N, the larger), and ``text_offset`` runs on over the tokens' strings from 0
+    (vLLM's), also where a character is split over tokens (each then reads "\ufffd")."""
+    base = {"prompt": "h\u00e9llo \u65e5\u672c", "max_tokens": 3, "temperature": 0, "echo": True}
+    for top, prompt_top in ((3, 1), (1, 3)):
+        # tokens named by id: two tokens reading "\ufffd" would share a key of top_logprobs
+        body = {**base, "logprobs": top, "prompt_logprobs": prompt_top, "return_tokens_as_token_ids": True}
+        choice = httpx.post(server.url + CMPL, json=body).json()["choices"][0]
+        echoed = choice["logprobs"]["top_logprobs"]
+        assert echoed[0] is None and choice["prompt_logprobs"][0] is None
+        assert all(top <= len(e) <= top + 1 for e in echoed[1:]), (body, echoed)
+        assert all(prompt_top <= len(e) <= prompt_top + 1 for e in choice["prompt_logprobs"][1:]), body
+    body = {**base, "logprobs": 0}
+    plain = httpx.post(server.url + CMPL, json=body).json()["choices"][0]["logprobs"]
+    assert "\ufffd" in plain["tokens"]  # the prompt splits a character over tokens
+    assert plain["text_offset"] == list(itertools.accumulate([0] + [len(t) for t in plain["tokens"][:-1]]))
+    with httpx.stream("POST", server.url + CMPL, json={**body, "stream": True}) as resp:
+        chunks = [c["logprobs"] for e in sse(resp.iter_lines()) for c in e["choices"] if c["logprobs"]]
+    assert [o for c in chunks for o in c["text_offset"]] == plain["text_offset"]
 
 
 def test_vllm_and_openai_request_fields(server: Server, offline: Engine) -> None:

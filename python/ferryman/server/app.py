@@ -191,24 +191,30 @@ def build_app(
 
         def with_prompt(
             i: int, text: str, lp: api.CompletionLogprobs | None, pdata: responses.PromptData | None
-        ) -> tuple[str, api.CompletionLogprobs | None, list[dict[str, api.PromptLogprob] | None] | None]:
-            """Choice text and logprobs of prompt i with the echoed prompt (and its logprobs) first;
-            and vLLM's ``prompt_logprobs`` when asked."""
-            plp = None
+        ) -> tuple[str, api.CompletionLogprobs | None, list[dict[str, api.PromptLogprob] | None] | None, int]:
+            """Choice text and logprobs of prompt i with the echoed prompt (and its logprobs) first,
+            vLLM's ``prompt_logprobs`` when asked, and the text offset the echoed tokens end at.
+            The engine computed one top N of the prompt for both (the larger): each gets its own."""
+            plp, shift = None, 0
             if pdata is not None and body.prompt_logprobs is not None:
-                plp = responses.prompt_logprobs(*pdata, token_str)
+                toks, lps, ranks = pdata
+                plp = responses.prompt_logprobs(
+                    toks, responses.cut_top(toks, lps, body.prompt_logprobs), ranks, token_str
+                )
             if not body.echo:
-                return text, lp, plp
-            head = echo_head(i)
+                return text, lp, plp, shift
             if lp is not None and pdata is not None:
-                full = responses.echo_logprobs(pdata[0], pdata[1], name)
+                full = responses.echo_logprobs(
+                    pdata[0], responses.cut_top(pdata[0], pdata[1], body.logprobs or 0), name
+                )
+                shift = sum(len(t) for t in full.tokens)  # vLLM's: offsets run on over the prompt's tokens
                 lp = api.CompletionLogprobs(
                     tokens=full.tokens + lp.tokens,
                     token_logprobs=full.token_logprobs + lp.token_logprobs,
                     top_logprobs=full.top_logprobs + lp.top_logprobs,
-                    text_offset=full.text_offset + [o + len(head) for o in lp.text_offset],
+                    text_offset=full.text_offset + [o + shift for o in lp.text_offset],
                 )
-            return head + text, lp, plp
+            return echo_head(i) + text, lp, plp, shift
 
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -229,8 +235,8 @@ def build_app(
                     pdata = None
                     if u.prompt_token_ids is not None and u.prompt_logprobs is not None:
                         pdata = (u.prompt_token_ids, u.prompt_logprobs, u.prompt_logprob_ranks or [])
-                    text, lp, plp = with_prompt(i, text, lp, pdata)
-                    offsets[c] += len(echo_head(i)) if body.echo else 0
+                    text, lp, plp, shift = with_prompt(i, text, lp, pdata)
+                    offsets[c] += shift
                 return api.CompletionChoice(
                     index=c,
                     text=text,
@@ -255,7 +261,9 @@ def build_app(
                 lp = responses.completion_logprobs(
                     acc.toks.get(c, []), acc.lps.get(c) if params.logprobs is not None else None, name, 0
                 )
-                text, lp, plp = with_prompt(c // n, "".join(acc.text.get(c, [])), lp, acc.prompts.get(c // n))
+                text, lp, plp, _ = with_prompt(
+                    c // n, "".join(acc.text.get(c, [])), lp, acc.prompts.get(c // n)
+                )
                 choices.append(
                     api.CompletionChoice(
                         index=c,

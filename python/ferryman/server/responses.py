@@ -145,6 +145,17 @@ def echo_logprobs(
     return out
 
 
+def cut_top(
+    prompt: list[int], lps: list[dict[int, Logprob] | None], n: int
+) -> list[dict[int, Logprob] | None]:
+    """Each prompt position's logprobs cut to its top ``n`` plus the prompt token's own."""
+    out: list[dict[int, Logprob] | None] = []
+    for t, d in zip(prompt, lps, strict=True):
+        keep = None if d is None else {k for k, _ in sorted(d.items(), key=lambda kv: -kv[1])[:n]} | {t}
+        out.append(None if d is None or keep is None else {k: v for k, v in d.items() if k in keep})
+    return out
+
+
 def token_namer(token_str: Callable[[int], str], as_ids: bool) -> Callable[[int], str]:
     """How logprobs name a token: its text, or vLLM's ``"token_id:{id}"`` with
     ``return_tokens_as_token_ids``."""

@@ -113,7 +113,7 @@ class Engine(FaultsMixin, OfflineMixin):
         ``prompt_token_ids`` gives its ids (the server tokenizes off the engine's thread)."""
         if self.dead is not None:  # it would never run
             raise EngineDeadError(f"engine stopped: {self.dead!r}") from self.dead
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params.clone()  # vLLM's: caller may reuse it
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if not isinstance(request_id, str):
             raise InvalidRequestError(f"request_id must be a string, got {type(request_id).__name__}")

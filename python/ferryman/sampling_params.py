@@ -247,8 +247,13 @@ class SamplingParams:
         return prompt_token_ids[-k:]
 
     def clone(self) -> SamplingParams:
-        """vLLM's: a copy whose lists and dicts are its own (``stop``, ``logit_bias``, ...)."""
-        return copy.deepcopy(self)
+        """vLLM's: a copy whose lists and dicts are its own (``stop``, ``logit_bias``, ...). Made
+        field by field: ``add_request`` clones every request, and a deep copy costs ~17 us."""
+        c = copy.copy(self)
+        c.stop, c.stop_token_ids = list(self.stop), list(self.stop_token_ids)
+        c.logit_bias = None if self.logit_bias is None else dict(self.logit_bias)
+        c.structured_outputs = copy.deepcopy(self.structured_outputs)
+        return c
 
     @property
     def penalized(self) -> bool:

@@ -179,6 +179,27 @@ def test_vllms_accessor_names(engine: Engine) -> None:
     assert q.logit_bias is not None
     q.logit_bias[5] = 2.0
     assert p.stop == ["x"] and p.logit_bias == {3: 1.0}
+    so = SamplingParams(stop_token_ids=[1], structured_outputs={"json": {"type": "object"}})
+    c = so.clone()
+    for f in dataclasses.fields(SamplingParams):  # no list, dict or record is shared
+        v = getattr(so, f.name)
+        if isinstance(v, list | dict) or dataclasses.is_dataclass(v):
+            assert getattr(c, f.name) == v and getattr(c, f.name) is not v, f.name
+
+
+def test_add_request_keeps_its_own_params(engine: Engine) -> None:
+    """vLLM's engine clones the params: a caller may change or reuse theirs once a request is
+    queued (a request whose ``n`` was changed under it never finished, and its id stayed taken)."""
+    sp = SamplingParams(temperature=0, max_tokens=4, n=2, ignore_eos=True, output_kind="final_only")
+    engine.add_request("shared-a", [5, 9, 3], sp)
+    sp.n, sp.max_tokens = 1, 2
+    engine.add_request("shared-b", [7, 7, 7], sp)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step().outputs if o.finished})
+    assert sorted(done) == ["shared-a", "shared-b"]
+    assert [len(c.token_ids) for c in done["shared-a"].outputs] == [4, 4]
+    assert [len(c.token_ids) for c in done["shared-b"].outputs] == [2]
 
 
 def test_vllms_engine_keywords_are_served_or_refused_by_name(path: Path, tmp_path: Path) -> None:

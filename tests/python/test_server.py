@@ -374,6 +374,19 @@ def test_disconnects_mid_stream_abort_and_free_blocks_while_others_finish(
     assert generated < 16 * 120  # the hung-up requests stopped generating
 
 
+def test_a_batch_with_one_bad_prompt_runs_none_of_them(server: Server) -> None:
+    """All or none, as vLLM checks a batch's prompts before it submits any: the good prompt before
+    a too-long one was accepted, prefilled and aborted, counted in the metrics of a 400."""
+    names = ["ferryman_prompt_tokens_total", 'ferryman_requests_finished_total{reason="abort"']
+    before = [server.metric(n, missing=0.0) for n in names]
+    r = httpx.post(server.url + CMPL, json={"prompt": ["a short one", "x" * 300], "max_tokens": 4})
+    assert r.status_code == 400 and "max_model_len" in r.json()["error"]["message"], r.text
+    assert not r.json()["error"]["message"].startswith("request "), r.text  # no internal id
+    assert [server.metric(n, missing=0.0) for n in names] == before
+    server.wait_metric("ferryman_num_requests_running", 0)
+    server.wait_metric("ferryman_kv_device_blocks_free", 64)
+
+
 def test_finished_sequences_are_counted_alike_whether_they_end_or_are_dropped(server: Server) -> None:
     """A request of n = 2 counts 2 in ``requests_finished`` whether its sequences reach their
     length or its client hangs up (the hang-up counted 1 for the request)."""

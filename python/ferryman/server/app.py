@@ -13,6 +13,7 @@ step.
 from __future__ import annotations
 
 import hmac
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -113,24 +114,18 @@ def build_app(
     ) -> tuple[str, list[AsyncIterator[Update]]]:
         rid = f"{prefix}-{uuid.uuid4().hex}"
         arrival = time.monotonic()
-        streams: list[AsyncIterator[Update]] = []
-        try:
-            for i, p in enumerate(prompts):
-                streams.append(await engine.add(f"{rid}-{i}", p, params, arrival, special))
+        try:  # all or none: a batch with one bad prompt runs none of them
+            streams = await engine.add_all(
+                [(f"{rid}-{i}", p) for i, p in enumerate(prompts)], params, arrival, special
+            )
         except EngineDeadError as e:
-            await handling.close(streams)
             raise ApiError(503, str(e), "server_error") from None
         except DrainingError as e:
-            await handling.close(streams)
             raise ApiError(503, str(e), "server_error", code="shutting_down") from None
         except ValueError as e:  # InvalidRequestError and bad sampling values
-            await handling.close(streams)
             # the engine names its request id, an internal one here: the client's is the response's
-            said = str(e).removeprefix(f"request {f'{rid}-{len(streams)}'!r}: ")
+            said = re.sub(rf"^request '{re.escape(rid)}-\d+': ", "", str(e))
             raise ApiError(400, said, "invalid_request_error") from None
-        except BaseException:  # cancelled (the client left): the prompts accepted must not run on
-            await handling.close(streams)
-            raise
         return rid, streams
 
     @app.get("/health", responses={503: {"description": "Draining, or the engine stopped"}})

@@ -8,7 +8,8 @@ through ``loop.call_soon_threadsafe``. A forward pass therefore never blocks the
 on a thread of their own (``offload``; ferryman's tokenizer encodes without the GIL), so a long
 prompt stalls neither the steps nor the event loop.
 
-Every request runs with ``output_kind="delta"``: the core releases text only once no stop string
+The engine thread's side (commands, steps, posting updates) is ``engine_thread.py``. Every
+request runs with ``output_kind="delta"``: the core releases text only once no stop string
 can cut it, so each step's deltas go to the stream as they are.
 
 Faults: a request the engine fails (non-finite logits, a step that raised) ends its iterator with
@@ -29,13 +30,13 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, replace
+from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from ferryman.engine import Engine, EngineDeadError, Prompt
-from ferryman.engine_setup import make_current
-from ferryman.outputs import RequestMetrics, RequestOutput
 from ferryman.sampling_params import SamplingParams
+from ferryman.server.engine_thread import EngineThread
 from ferryman.server.metrics import Metrics
 from ferryman.server.updates import (
     Delta,
@@ -44,17 +45,13 @@ from ferryman.server.updates import (
     RequestUpdates,
     Stream,
     Update,
-    update_of,
 )
-from ferryman.trace import TraceWriter, step_record
+from ferryman.trace import TraceWriter
 
 __all__ = ["AsyncEngine", "Delta", "DrainingError", "EngineDeadError", "RequestFailedError", "Update"]
 
 
-_ACCEPTED = object()
-
-
-class AsyncEngine:
+class AsyncEngine(EngineThread):
     def __init__(
         self,
         engine: Engine,
@@ -117,37 +114,48 @@ class AsyncEngine:
         """Submits a request; raises what ``Engine.add_request`` raises (before anything streams),
         then returns its updates. Closing the iterator early aborts the request. A text prompt is
         tokenized with the tokenizer's special tokens unless ``special`` is false."""
+        return (await self.add_all([(request_id, prompt)], params, arrival, special))[0]
+
+    async def add_all(
+        self, prompts: list[tuple[str, Prompt]], params: SamplingParams, arrival: float, special: bool = True
+    ) -> list[AsyncIterator[Update]]:
+        """``add`` for (request id, prompt) pairs sharing ``params``, all or none: when one is
+        refused, none runs (vLLM checks a batch's prompts before it submits any)."""
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
         if self.draining:
             raise DrainingError("the server is shutting down")
         with self._lock:
-            self._pending_adds += 1  # counted as waiting from here (the overload check)
-        q: asyncio.Queue[Any] = asyncio.Queue()
-        stream = Stream(asyncio.get_running_loop(), q, [0] * params.n, [None] * params.n)
+            self._pending_adds += len(prompts)  # counted as waiting from here (the overload check)
+        loop, n = asyncio.get_running_loop(), params.n
+        streams = [Stream(loop, asyncio.Queue(), [0] * n, [None] * n) for _ in prompts]
         try:
-            ids = None
-            if isinstance(prompt, str) and self.engine.tokenizer is not None:
-                ids = (await self.offload(lambda: self.engine.tokenize(prompt, None, special)))[1]
-            params = replace(params, output_kind="delta")
-            if not self._put(("add", request_id, prompt, ids, params, arrival, stream)):
+            group = []
+            for (rid, prompt), stream in zip(prompts, streams, strict=True):
+                ids = None
+                if isinstance(prompt, str) and self.engine.tokenizer is not None:
+                    ids = (await self.offload(partial(self.engine.tokenize, prompt, None, special)))[1]
+                group.append((rid, prompt, ids, stream))
+            if not self._put(("add", group, replace(params, output_kind="delta"), arrival)):
                 raise EngineDeadError(f"engine stopped: {self.error!r}")
         except BaseException:
             with self._lock:
-                self._pending_adds -= 1
+                self._pending_adds -= len(prompts)
             raise
         try:
-            first = await q.get()
-        except BaseException:  # cancelled while it was being added: it must not run for no one
-            self._cmds.put(("abort", request_id, stream))
+            firsts = [await s.queue.get() for s in streams]
+        except BaseException:  # cancelled while they were being added: they must not run for no one
+            for (rid, _), s in zip(prompts, streams, strict=True):
+                self._cmds.put(("abort", rid, s))
             self._wake.set()
             raise
-        if isinstance(first, BaseException):
-            raise first
+        if isinstance(firsts[0], BaseException):
+            raise firsts[0]
         # dropped unread: the abort is only queued (what a finalizer may do: no lock, no event)
-        return RequestUpdates(
-            q, lambda: self.abort(request_id), lambda: self._cmds.put(("abort", request_id, stream))
-        )
+        return [
+            RequestUpdates(s.queue, partial(self.abort, rid), partial(self._cmds.put, ("abort", rid, s)))
+            for (rid, _), s in zip(prompts, streams, strict=True)
+        ]
 
     def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id, None))  # after the close: never read, no harm
@@ -169,132 +177,3 @@ class AsyncEngine:
             self._cmds.put(cmd)
         self._wake.set()
         return True
-
-    # -- engine thread ---------------------------------------------------------------------------
-
-    def _run(self) -> None:
-        make_current(self.engine.device)  # this thread's too
-        died: Exception | None = None
-        try:
-            self._loop()
-        except Exception as e:  # the engine died: fail every stream rather than hang them
-            died = e
-        self.error = died or EngineDeadError("the engine was shut down")
-        with self._lock:
-            self._closed = True
-        self._drain_commands()  # adds queued before the close join the streams failed below
-        for rid, s in self._streams.items():
-            if died is None:
-                self.engine.abort_request(rid)  # shut down: nothing will run it
-            s.post(EngineDeadError(f"engine stopped: {self.error!r}"))
-        self._streams.clear()
-        if died is not None and self.on_dead is not None:
-            self.on_dead(died)
-
-    def _loop(self) -> None:
-        busy = False
-        while not self._stop:
-            self._drain_commands()
-            if self._drain is not None and (not self._streams or time.monotonic() >= self._drain[0]):
-                self._abort_all()
-                then, self._drain = self._drain[1], None
-                then()
-            if not self.engine.has_unfinished_requests():
-                with self._lock:  # aborts can empty the queue with no step to count it again
-                    self._engine_waiting = 0
-                if busy and self.metrics is not None:
-                    self.metrics.set_state(self.engine.scheduler.stats())
-                if busy and self.trace is not None:
-                    self.trace.flush()
-                busy = False
-                self._wake.wait(0.1)
-                self._wake.clear()
-                continue
-            busy = True
-            self._step()
-
-    def _abort_all(self) -> None:
-        """Aborts every open request; each unfinished sequence ends with finish_reason "abort"."""
-        for rid, s in list(self._streams.items()):
-            num_prompt_tokens = self.engine.num_prompt_tokens(rid)
-            self.engine.abort_request(rid)
-            deltas = [Delta(k, "", [], None, "abort") for k, r in enumerate(s.reasons) if r is None]
-            self._send(rid, s, Update(deltas, True, num_prompt_tokens), None)
-
-    def _drain_commands(self) -> None:
-        while True:
-            try:
-                cmd = self._cmds.get_nowait()
-            except queue.Empty:
-                return
-            if cmd[0] == "add":
-                _, rid, prompt, ids, params, arrival, stream = cmd
-                try:
-                    self.engine.add_request(rid, prompt, params, arrival, prompt_token_ids=ids)
-                except Exception as e:
-                    stream.post(e)
-                else:
-                    with self._lock:
-                        self._engine_waiting += 1
-                    self._streams[rid] = stream
-                    if self.metrics is not None:
-                        self.metrics.on_added(self.engine.num_prompt_tokens(rid))
-                    if not stream.post(_ACCEPTED):  # its caller's event loop is closed
-                        self._abort(rid)
-                finally:
-                    with self._lock:
-                        self._pending_adds -= 1
-            elif cmd[0] == "abort":
-                self._abort(cmd[1], cmd[2])
-
-    def _abort(self, rid: str, stream: Stream | None = None) -> None:
-        """Aborts ``rid`` if its stream is open (and is ``stream``, when given)."""
-        s = self._streams.get(rid)
-        if s is None or (stream is not None and s is not stream):
-            return
-        del self._streams[rid]
-        self.engine.abort_request(rid)
-        if self.metrics is not None:  # each sequence, as a finished request counts them
-            self.metrics.on_finished(None, s.reasons, 0)
-
-    def _step(self) -> None:
-        started = time.perf_counter()
-        res = self.engine.step()
-        step_s = time.perf_counter() - started
-        new_tokens = 0
-        for ro in res.outputs:
-            new_tokens += self._deliver(ro)
-        stats = self.engine.scheduler.stats()
-        with self._lock:
-            self._engine_waiting = stats["num_waiting"]
-        if res.stats is None:
-            return
-        if self.metrics is not None:
-            self.metrics.on_step(res.stats, res.preemptions, stats, new_tokens, step_s)
-        if self.trace is not None:
-            cfg = self.engine.scheduler.config
-            self.trace.write(
-                step_record(res.stats, cfg, res.preemptions, time.monotonic() - self._t0, step_s)
-            )
-            for e in res.preemptions:
-                self.trace.write({"type": "preemption", **asdict(e)})
-
-    def _deliver(self, ro: RequestOutput) -> int:
-        """Sends ``ro``'s deltas to its stream; returns the number of new tokens."""
-        s = self._streams.get(ro.request_id)
-        if s is None:
-            return 0
-        u = update_of(ro, s)
-        self._send(ro.request_id, s, u, ro.metrics)
-        return sum(len(d.token_ids) for d in u.deltas)
-
-    def _send(self, request_id: str, s: Stream, u: Update, m: RequestMetrics | None) -> None:
-        for d in u.deltas:
-            s.num_tokens[d.index] += len(d.token_ids)
-            s.reasons[d.index] = d.finish_reason
-        if u.finished:
-            del self._streams[request_id]
-            if self.metrics is not None:
-                self.metrics.on_finished(m, s.reasons, max(s.num_tokens))
-        if not s.post(u) and not u.finished:  # its consumer's event loop is closed
-            self._abort(request_id)

@@ -88,6 +88,7 @@ class FaultsMixin:
             return res
         done.outputs.extend(res.outputs)
         done.preemptions.extend(res.preemptions)
+        done.failed_stats = res.stats  # its swaps and tokens were planned: they count
         return done
 
     def _step_failed(self, plan: Any, error: BaseException) -> StepResult:

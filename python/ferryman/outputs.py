@@ -150,9 +150,10 @@ class PreemptionEvent:
 class StepResult:
     """One ``Engine.step()``: the outputs to hand out (per each request's ``output_kind``), the
     step's statistics, and the preemptions it made. With async scheduling, when the step planned
-    after it fails, the result also holds that step's failed requests and its preemptions (whose
-    ``step`` is that step's)."""
+    after it fails, the result also holds that step's failed requests, its preemptions (whose
+    ``step`` is that step's) and its statistics (``failed_stats``)."""
 
     outputs: list[RequestOutput]
     stats: StepStats | None = None  # always set by Engine.step(); None only where built by hand
     preemptions: list[PreemptionEvent] = field(default_factory=list)
+    failed_stats: StepStats | None = None

@@ -307,3 +307,27 @@ def test_sigterm_drains_then_aborts_and_exits_zero(tmp_path: Path) -> None:
         assert reasons == {"long": ["abort"], "short": ["length"]}, json.dumps(ends)[:2000]
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_step_results_add_up_to_the_cores_counters_across_a_failed_step(
+    model: Path, async_scheduling: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every planned step's statistics reach the caller once, a failed one's included (with async
+    scheduling it rides in the result of the step applied beside it, ``failed_stats``): /metrics
+    and the trace sum them, and their swap counts broke out = in + dropped."""
+    monkeypatch.setenv("FERRYMAN_TEST_FAULT_STEPS", "7")
+    eng = engine(model, async_scheduling, num_host_blocks=96, preemption_mode="swap")
+    for i in range(16):
+        prompt = [(7 * i + j) % 190 + 3 for j in range(4 + (i * 5) % 29)]  # never POISON
+        eng.add_request(f"r{i}", prompt, dataclasses.replace(GREEDY, max_tokens=16, n=1 + i % 2))
+    plans = []
+    while eng.has_unfinished_requests():
+        res = eng.step()
+        plans += [p for p in (res.stats, res.failed_stats) if p is not None]
+    st = eng.stats()
+    assert st["num_blocks_swapped_out"] > 0 and 7 in [p.step for p in plans]
+    assert len(plans) == len({p.step for p in plans}) == st["num_steps"]
+    for key in ("num_blocks_swapped_out", "num_blocks_swapped_in", "num_scheduled_tokens"):
+        assert sum(getattr(p, key) for p in plans) == st[key], key
+    assert st["num_blocks_swapped_out"] == st["num_blocks_swapped_in"] + st["num_blocks_swap_dropped"]

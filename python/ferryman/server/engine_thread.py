@@ -149,15 +149,16 @@ class EngineThread:
         stats = self.engine.scheduler.stats()
         with self._lock:
             self._engine_waiting = stats["num_waiting"]
-        if res.stats is None:
+        plans = [p for p in (res.stats, res.failed_stats) if p is not None]  # a failed one's too
+        if not plans:
             return
         if self.metrics is not None:
-            self.metrics.on_step(res.stats, res.preemptions, stats, new_tokens, step_s)
+            self.metrics.on_step(plans, res.preemptions, stats, new_tokens, step_s)
         if self.trace is not None:
-            cfg = self.engine.scheduler.config
-            self.trace.write(
-                step_record(res.stats, cfg, res.preemptions, time.monotonic() - self._t0, step_s)
-            )
+            cfg, t = self.engine.scheduler.config, time.monotonic() - self._t0
+            for p in plans:
+                events = [e for e in res.preemptions if e.step == p.step]
+                self.trace.write(step_record(p, cfg, events, t, step_s))
             for e in res.preemptions:
                 self.trace.write({"type": "preemption", **asdict(e)})
 

@@ -107,24 +107,28 @@ class Metrics:
 
     def on_step(
         self,
-        plan: StepStats,
+        plans: list[StepStats],
         events: list[PreemptionEvent],
         stats: dict[str, int],
         new_tokens: int,
         step_s: float,
     ) -> None:
+        """One ``Engine.step()``: the steps it applied (with async scheduling, also the failed
+        step planned after it), their preemptions, the core's stats after it."""
         cfg = self._cfg
         self.set_state(stats)
-        self.budget_util.observe(plan.num_scheduled_tokens / cfg.max_num_batched_tokens)
         for e in events:
             self.preemptions.labels(mode=e.mode, reason=e.reason).inc()
-        out, inn = plan.num_blocks_swapped_out, plan.num_blocks_swapped_in
-        if out:
-            self.swapped_out.inc(out)
-            self.swap_bytes.labels(direction="out").inc(out * cfg.bytes_per_block)
-        if inn:
-            self.swapped_in.inc(inn)
-            self.swap_bytes.labels(direction="in").inc(inn * cfg.bytes_per_block)
+        for plan in plans:
+            self.budget_util.observe(plan.num_scheduled_tokens / cfg.max_num_batched_tokens)
+            self.sched.observe(plan.schedule_ns * 1e-9)
+            out, inn = plan.num_blocks_swapped_out, plan.num_blocks_swapped_in
+            if out:
+                self.swapped_out.inc(out)
+                self.swap_bytes.labels(direction="out").inc(out * cfg.bytes_per_block)
+            if inn:
+                self.swapped_in.inc(inn)
+                self.swap_bytes.labels(direction="in").inc(inn * cfg.bytes_per_block)
         for name, counter in self._core_counters.items():
             counter.inc(stats[name] - self._last_core[name])
             self._last_core[name] = stats[name]
@@ -134,7 +138,6 @@ class Metrics:
         self._last_queries, self._last_hits = q, h
         self.prefix_hit_rate.set(h / q if q else 0.0)
         self.generation_tokens.inc(new_tokens)
-        self.sched.observe(plan.schedule_ns * 1e-9)
         self.step_time.observe(step_s)
 
     def set_state(self, stats: dict[str, int]) -> None:

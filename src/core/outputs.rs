@@ -140,7 +140,8 @@ pub struct Counters {
     pub num_blocks_copied: u64,
     /// Tokens recomputed because of recompute preemptions (estimated at preemption).
     pub num_tokens_recomputed: u64,
-    /// Tokens looked up in the prefix cache at admission, and tokens found.
+    /// Prompt tokens looked up in the prefix cache at admission, and tokens found (a resumed
+    /// victim's and a request's that reads no hits not counted).
     pub prefix_cache_queries: u64,
     pub prefix_cache_hits: u64,
     /// Preemption events emitted (drained or not).

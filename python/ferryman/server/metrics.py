@@ -66,8 +66,10 @@ class Metrics:
             ),
         }
         self._last_core = dict.fromkeys(self._core_counters, 0)
-        self.prefix_queries = Counter(p + "prefix_cache_queries", "prompt blocks looked up", registry=r)
-        self.prefix_hits = Counter(p + "prefix_cache_hits", "prompt blocks found cached", registry=r)
+        self.prefix_queries = Counter(
+            p + "prefix_cache_queries", "prompt tokens looked up (not a resumed victim's)", registry=r
+        )
+        self.prefix_hits = Counter(p + "prefix_cache_hits", "prompt tokens found cached", registry=r)
         self.prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate", "hits / queries since start", registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens of accepted requests", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "tokens generated", registry=r)

@@ -183,7 +183,9 @@ impl Scheduler {
             self.kv.admit(idx, &r.block_hashes[..hit], free_hits, num_fresh).expect("counted above");
             r.num_computed_tokens = hit * bs;
             r.num_cached_blocks = hit;
-            if self.cfg.enable_prefix_caching {
+            // vLLM's: a victim finding its own blocks again, or a request that reads no hits, is
+            // not a query (either would make a workload that shares nothing look cached)
+            if self.cfg.enable_prefix_caching && !r.skip_reading_prefix_cache && r.num_preemptions == 0 {
                 self.counters.prefix_cache_queries += num_tokens as u64;
                 self.counters.prefix_cache_hits += (hit * bs) as u64;
             }

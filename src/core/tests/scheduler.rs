@@ -164,6 +164,8 @@ fn recompute_preemption_frees_the_latest_arrival_and_requeues_it_first() {
     assert_eq!(lens[&(2, 0)], 7);
     let c = s.counters();
     assert_eq!((c.num_preemptions_recompute, c.num_preemptions_swap, c.num_events), (1, 0, 1));
+    // vLLM's: the victim's resume, which hit its own block, is not a prefix-cache query
+    assert_eq!((c.prefix_cache_queries, c.prefix_cache_hits), (3 + 3, 0));
 }
 
 #[test]

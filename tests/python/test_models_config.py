@@ -222,6 +222,38 @@ def test_a_config_without_architectures_goes_by_model_type_and_yarn_by_its_defau
         torch.testing.assert_close(ours(model, ids), theirs(path, ids), rtol=1e-4, atol=1e-4)
 
 
+def test_rope_and_window_keys_are_read_as_transformers_reads_them(tmp_path: Path) -> None:
+    """A top-level ``original_max_position_embeddings`` wins over the rope dict's (Phi-3's way);
+    a legacy ``rope_scaling`` replaces ``rope_parameters``, theta included; Qwen2/3 without
+    ``max_window_layers`` or ``sliding_window`` take their configs' defaults (28, 4096)."""
+    import transformers as tf
+
+    from ferryman.models.config import ModelConfig
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    top = build("llama", tmp_path / "top", rope_scaling=yarn)  # type: ignore[arg-type]
+    patch_config(top, original_max_position_embeddings=32)
+    both = build("llama", tmp_path / "both")
+    cfg = json.loads((both / "config.json").read_text())
+    cfg.pop("rope_theta", None)
+    cfg |= {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+        "rope_scaling": {"type": "linear", "factor": 4.0},
+    }
+    (both / "config.json").write_text(json.dumps(cfg))
+    for path in (top, both):
+        model, _ = load_model(path, torch.float32, CPU)
+        ids = long_ids(model.cfg.vocab_size)
+        torch.testing.assert_close(ours(model, ids), theirs(path, ids), rtol=1e-4, atol=1e-4)
+    base = json.loads((build("qwen2", tmp_path / "q") / "config.json").read_text())
+    base = {k: v for k, v in base.items() if k not in ("max_window_layers", "layer_types", "sliding_window")}
+    for layers, window in ((30, 32), (30, None), (2, 32)):
+        d = base | {"num_hidden_layers": layers, "use_sliding_window": True}
+        d |= {} if window is None else {"sliding_window": window}
+        slides = "sliding_attention" in (tf.Qwen2Config(**d).layer_types or [])
+        assert ModelConfig.from_hf(d).sliding_window == ((window or 4096) if slides else None), d
+
+
 GGUF_TOP_LEVEL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
 
 

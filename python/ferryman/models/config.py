@@ -69,13 +69,16 @@ class ModelConfig:
         if d.get("attention_bias") and arch != "Qwen2ForCausalLM":
             raise ValueError(f"attention_bias (q/k/v/o biases) is not supported for {arch}")
         heads = int(d["num_attention_heads"])
-        rope = dict(d.get("rope_parameters") or {})  # transformers 5 style
-        scaling = d.get("rope_scaling") or None
-        if scaling is None and rope.get("rope_type", "default") != "default":
-            scaling = rope
+        # transformers': a legacy rope_scaling replaces rope_parameters (theta too, then from the top
+        # level or 10000); llama3's and yarn's original context is a top-level one first, then
+        # the dict's, then the config's
+        rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
+        scaling = rope if rope_type(rope) != "default" else None
         if scaling is not None and rope_type(scaling) in ("llama3", "yarn"):
-            # transformers' default: the original context is the config's
+            orig = d.get("original_max_position_embeddings")
             scaling = {"original_max_position_embeddings": d.get("max_position_embeddings", 4096), **scaling}
+            if orig is not None:
+                scaling["original_max_position_embeddings"] = orig
         theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
         check_rope_scaling(scaling)
         partial = (scaling or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
@@ -110,14 +113,12 @@ def _sliding_window(d: dict[str, Any], arch: str) -> int | None:
     ``sliding_window``; Qwen2/3's only with ``use_sliding_window`` and layers from
     ``max_window_layers`` on (or ``layer_types`` naming one), as transformers decides."""
     window = d.get("sliding_window")
-    if window is None:
-        return None
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         if not d.get("use_sliding_window", False):
             return None
+        window = 4096 if window is None else window  # their configs' defaults, as max_window_layers'
         types = d.get("layer_types")
         if types is not None:
             return int(window) if "sliding_attention" in types else None
-        layers = int(d["num_hidden_layers"])
-        return int(window) if int(d.get("max_window_layers", layers)) < layers else None
-    return int(window)
+        return int(window) if int(d.get("max_window_layers", 28)) < int(d["num_hidden_layers"]) else None
+    return None if window is None else int(window)

@@ -63,6 +63,10 @@ class OfflineMixin:
         """vLLM's: the engine's tokenizer (None for a model without one)."""
         return self.tokenizer
 
+    def get_num_unfinished_requests(self) -> int:
+        """vLLM's: requests added and not yet finished or aborted (one each, whatever its ``n``)."""
+        return len(self._core_ids)
+
     def generate(
         self,
         prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict],

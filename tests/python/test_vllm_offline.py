@@ -194,12 +194,14 @@ def test_add_request_keeps_its_own_params(engine: Engine) -> None:
     engine.add_request("shared-a", [5, 9, 3], sp)
     sp.n, sp.max_tokens = 1, 2
     engine.add_request("shared-b", [7, 7, 7], sp)
+    assert engine.get_num_unfinished_requests() == 2  # vLLM's count: requests, not sequences
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step().outputs if o.finished})
     assert sorted(done) == ["shared-a", "shared-b"]
     assert [len(c.token_ids) for c in done["shared-a"].outputs] == [4, 4]
     assert [len(c.token_ids) for c in done["shared-b"].outputs] == [2]
+    assert engine.get_num_unfinished_requests() == 0
 
 
 def test_vllms_engine_keywords_are_served_or_refused_by_name(path: Path, tmp_path: Path) -> None:

@@ -173,6 +173,31 @@ def developer_as_system(turns: list[dict[str, Any]], template: str) -> list[dict
     return [t | {"role": "system"} if t.get("role") == "developer" else t for t in turns]
 
 
+def object_arguments(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The turns with each earlier tool call's ``arguments`` (OpenAI's JSON text) as an object, as
+    templates expect (Qwen's and Llama's write them with ``tojson``), and an empty ``tool_calls``
+    dropped: vLLM's rule for ``LLM.chat`` and its server. Arguments that are not JSON stay text."""
+    out = []
+    for t in turns:
+        calls = t.get("tool_calls")
+        if isinstance(calls, list) and not calls:
+            t = {k: v for k, v in t.items() if k != "tool_calls"}
+        elif isinstance(calls, list):
+            t = t | {"tool_calls": [_object_call(c) for c in calls]}
+        out.append(t)
+    return out
+
+
+def _object_call(call: Any) -> Any:
+    f = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(f, dict) or not isinstance(f.get("arguments"), str):
+        return call
+    try:
+        return call | {"function": f | {"arguments": json.loads(f["arguments"])}}
+    except ValueError:  # not JSON: passed on as it is
+        return call
+
+
 # transformers' marker for continue_final_message: written after the last message's text, found
 # in the rendered prompt, cut off there
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "

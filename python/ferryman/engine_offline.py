@@ -10,7 +10,12 @@ from numbers import Integral
 from typing import TYPE_CHECKING, Any, cast
 
 from ferryman._core import InvalidRequestError, Scheduler
-from ferryman.chat_template import developer_as_system, open_final_message, tag_final_message
+from ferryman.chat_template import (
+    developer_as_system,
+    object_arguments,
+    open_final_message,
+    tag_final_message,
+)
 from ferryman.outputs import RequestOutput, StepResult
 from ferryman.sampling_params import SamplingParams
 from ferryman.tokenizer import plain_prompt
@@ -195,7 +200,7 @@ class OfflineMixin:
         if continue_final_message and add_generation_prompt:
             raise InvalidRequestError("continue_final_message needs add_generation_prompt=False")
         template = str(self.tokenizer.chat_template)
-        turns = developer_as_system([_flat_message(m) for m in conversation], template)
+        turns = developer_as_system(object_arguments([_flat_message(m) for m in conversation]), template)
         if continue_final_message:
             if not turns or turns[-1]["role"] != "assistant":
                 raise InvalidRequestError("continue_final_message needs a last message of the assistant")

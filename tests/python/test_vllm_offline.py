@@ -251,3 +251,35 @@ def test_chat_renders_the_developer_role_as_the_server_does(engine: Engine) -> N
     out = engine.chat(dev, GREEDY)[0]
     assert out.prompt == engine.chat(sys_, GREEDY)[0].prompt
     assert out.prompt == ChatPrompt.model_validate({"messages": dev}).render(engine.tokenizer)
+
+
+def test_chat_hands_earlier_tool_calls_arguments_as_objects(path: Path, tmp_path: Path) -> None:
+    """vLLM's rule (``LLM.chat`` and its server): an earlier tool call's ``arguments``, OpenAI's
+    JSON text, reach the template as an object, so a template writing them with ``tojson`` (as
+    Qwen2.5's does) gets the object's JSON, not a quoted string (the server's rule already)."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "m"
+    shutil.copytree(path, model)
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.role }}: {{ m.content or '' }}"
+        "{% for c in m.tool_calls or [] %}<call>{{ c.function.arguments | tojson }}</call>{% endfor %}\n"
+        "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    eng = Engine(str(model), block_size=4, num_device_blocks=64, calibrate=False)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"city": "Paris"}'}}
+    msgs = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "assistant", "content": "ok", "tool_calls": []},  # empty: dropped, as vLLM does
+    ]
+    text, ids = eng.render_chat(msgs)
+    assert '<call>{"city": "Paris"}</call>' in text
+    parsed = json.loads(json.dumps(msgs))
+    parsed[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}
+    want = AutoTokenizer.from_pretrained(str(model)).apply_chat_template(parsed, add_generation_prompt=True)
+    assert ids == list(want["input_ids"] if hasattr(want, "keys") else want)

@@ -18,12 +18,12 @@ constrained forms use the structured-outputs machinery, as vLLM does.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from typing import Any, Literal
 
 from pydantic import Field
 
+from ferryman.chat_template import object_arguments
 from ferryman.sampling_params import StructuredOutputsParams
 from ferryman.server.schema_types import Body
 
@@ -167,12 +167,7 @@ def render_messages(
     them, else folded into a Hermes system prompt and the turns rewritten in that format. Earlier
     calls' arguments go to the template as objects (as Qwen's and Llama's templates expect)."""
     use = tools if tools and choice != "none" else None
-    msgs = [
-        {**m, "tool_calls": [_with_object_arguments(c) for c in m["tool_calls"]]}
-        if m.get("tool_calls")
-        else m
-        for m in messages
-    ]
+    msgs = object_arguments(messages)
     if "tools" in (template or ""):
         return msgs, [t.model_dump(exclude_none=True) for t in use] if use else None
     out: list[dict[str, Any]] = []
@@ -195,10 +190,3 @@ def render_messages(
         else:
             out.insert(0, {"role": "system", "content": system})
     return out, None
-
-
-def _with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:
-    f = dict(call["function"])
-    with contextlib.suppress(TypeError, ValueError):  # not JSON: passed on as it is
-        f["arguments"] = json.loads(f["arguments"])
-    return {**call, "function": f}

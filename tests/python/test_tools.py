@@ -74,6 +74,13 @@ HERMES = (
         ('[{"name": "ping", "parameters": {}}]', "required", "hermes", None, [("ping", {})]),
         ('{"city": "Rome", "unit": "c", "days": 1}', named("get_weather"), "hermes", None,
          [("get_weather", {"city": "Rome", "unit": "c", "days": 1})]),
+        # arguments that are no JSON text (NaN) or have no UTF-8 (a lone surrogate): not a call
+        ('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', "auto", "hermes",
+         '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', []),
+        ('<tool_call>{"name": "f", "arguments": {"a": "\\udc80"}}</tool_call>', "auto", "hermes",
+         '<tool_call>{"name": "f", "arguments": {"a": "\\udc80"}}</tool_call>', []),
+        ('<tool_call>{"name": "\\udc80", "arguments": {}}</tool_call>', "auto", "hermes",
+         '<tool_call>{"name": "\\udc80", "arguments": {}}</tool_call>', []),
     ],
 )  # fmt: skip
 def test_parse_whole_and_streamed(
@@ -127,6 +134,35 @@ def test_required_keeps_each_tools_defs_resolvable() -> None:
     ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate([bad], so.json)
+
+
+def test_a_root_reference_follows_and_parameters_are_an_object() -> None:
+    """pydantic's schema of a recursive model is a ``$ref`` at the root: it follows the hoisted
+    definitions (it pointed at another tool's, or nowhere: a 400); parameters of another type than
+    object are refused (OpenAI's rule: the forced output could never be a call)."""
+    import jsonschema
+
+    from ferryman.server.tools import Tool, constraint
+
+    kids = {"type": "array", "items": {"$ref": "#/$defs/Node"}}
+    props = {"v": {"type": "integer"}, "kids": kids}
+    node = {
+        "$defs": {"Node": {"type": "object", "properties": props, "required": ["v"]}},
+        "$ref": "#/$defs/Node",
+    }
+    other = {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}
+    ts = [
+        Tool.model_validate({"type": "function", "function": {"name": n, "parameters": p}})
+        for n, p in (("tree", node), ("Node", other))
+    ]
+    so = constraint(ts, "required")
+    assert so is not None and isinstance(so.json, dict)
+    jsonschema.validate([{"name": "tree", "parameters": {"v": 1, "kids": [{"v": 2}]}}], so.json)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "tree", "parameters": {"x": "Node's"}}], so.json)
+    for kind in ("string", "array"):
+        with pytest.raises(ValueError, match="type object"):
+            Tool.model_validate({"type": "function", "function": {"name": "f", "parameters": {"type": kind}}})
 
 
 def test_a_tag_prefix_is_held_until_it_is_not_a_tag() -> None:
@@ -246,6 +282,10 @@ def test_auto_none_history_and_errors(server: Server) -> None:
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools"),
         ({"tools": None, "tool_choice": "required"}, "needs tools"),
         ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot both"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+            "type object",
+        ),
     ]:
         r = chat(server, **bad)
         assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text

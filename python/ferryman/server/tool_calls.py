@@ -24,17 +24,32 @@ class Call:
 
 
 def _arguments(value: Any) -> str | None:
-    """Arguments as JSON text of an object, or None when they are not one."""
+    """Arguments as JSON text of an object, or None when they are not one: JSON has no NaN or
+    Infinity, and a lone surrogate (an escape such as \\udc80) has no UTF-8 to send."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except ValueError:
             return None
-    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None  # as vLLM writes them
+    if not isinstance(value, dict):
+        return None
+    try:  # ensure_ascii off: as vLLM writes them
+        return _utf8(json.dumps(value, ensure_ascii=False, allow_nan=False))
+    except ValueError:  # UnicodeEncodeError included
+        return None
+
+
+def _utf8(text: str) -> str:
+    text.encode()  # raises on a lone surrogate
+    return text
 
 
 def _call(obj: Any, key: str) -> Call | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    try:
+        _utf8(obj["name"])
+    except ValueError:
         return None
     args = _arguments(obj.get(key, obj.get("arguments", obj.get("parameters", {}))))
     return None if args is None else Call(obj["name"], args)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from ferryman.chat_template import object_arguments
 from ferryman.sampling_params import StructuredOutputsParams
@@ -35,6 +35,16 @@ class Function(Body):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        """OpenAI's rule: the arguments are an object (a call's other output could never parse)."""
+        if v is not None and v.get("type", "object") != "object":
+            raise ValueError(
+                f"a function's parameters must be a JSON Schema of type object, got {v['type']!r}"
+            )
+        return v
 
 
 class Tool(Body):
@@ -144,7 +154,7 @@ def _hoist(schema: dict[str, Any], tool: str, defs: dict[str, Any]) -> dict[str,
 
     for k, d in local.items():
         defs[f"{tool}__{k}"] = walk(d)
-    defs[tool] = {k: walk(v) for k, v in schema.items() if k not in ("$defs", "definitions")}
+    defs[tool] = walk({k: v for k, v in schema.items() if k not in ("$defs", "definitions")})  # its $ref too
     return {"$ref": f"#/$defs/{tool}"}
 
 

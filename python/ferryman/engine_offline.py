@@ -69,8 +69,9 @@ class OfflineMixin:
         return self.tokenizer
 
     def get_num_unfinished_requests(self) -> int:
-        """vLLM's: requests added and not yet finished or aborted (one each, whatever its ``n``)."""
-        return len(self._core_ids)
+        """vLLM's: requests added whose last output was not yet handed out (one each, whatever its
+        ``n``): live ones, and finished ones whose output another caller's steps hold for it."""
+        return len(self._core_ids) + len({o.request_id for o in self._held if o.finished})
 
     def generate(
         self,

@@ -136,7 +136,11 @@ impl PrefixCache {
 
     /// Checks that the table and `pool`'s hashes agree (`check_invariants`).
     pub fn check(&self, pool: &BlockPool) -> Result<(), String> {
+        let mut seen = vec![false; pool.num_blocks()];
         for &b in &self.blocks {
+            if std::mem::replace(&mut seen[b as usize], true) {
+                return Err(format!("prefix cache lists block {b} twice"));
+            }
             let h = pool.hash(b);
             if h == NO_HASH || self.blocks.find(key(h), |&x| x == b).is_none() {
                 return Err(format!("prefix cache lists block {b}, which holds no registered content"));
@@ -218,5 +222,8 @@ mod tests {
         pool.set_hash(1, 77);
         pool.set_hash(2, 77);
         assert_eq!(pc.check(&pool).unwrap_err(), "2 blocks carry a hash but the prefix cache lists 1");
+        // block 1 listed twice instead of blocks 1 and 2: each entry alone looks right
+        pc.blocks.insert_unique(key(77), 1, |&b| key(pool.hash(b)));
+        assert_eq!(pc.check(&pool).unwrap_err(), "prefix cache lists block 1 twice");
     }
 }

@@ -247,11 +247,12 @@ def test_rope_and_window_keys_are_read_as_transformers_reads_them(tmp_path: Path
         torch.testing.assert_close(ours(model, ids), theirs(path, ids), rtol=1e-4, atol=1e-4)
     base = json.loads((build("qwen2", tmp_path / "q") / "config.json").read_text())
     base = {k: v for k, v in base.items() if k not in ("max_window_layers", "layer_types", "sliding_window")}
-    for layers, window in ((30, 32), (30, None), (2, 32)):
+    for layers, window in ((30, 32), (30, "absent"), (30, None), (2, 32)):  # None: written as null
         d = base | {"num_hidden_layers": layers, "use_sliding_window": True}
-        d |= {} if window is None else {"sliding_window": window}
-        slides = "sliding_attention" in (tf.Qwen2Config(**d).layer_types or [])
-        assert ModelConfig.from_hf(d).sliding_window == ((window or 4096) if slides else None), d
+        d |= {} if window == "absent" else {"sliding_window": window}
+        hf = tf.Qwen2Config(**d)
+        slides = "sliding_attention" in (hf.layer_types or [])
+        assert ModelConfig.from_hf(d).sliding_window == (hf.sliding_window if slides else None), d
 
 
 GGUF_TOP_LEVEL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}

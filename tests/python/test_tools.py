@@ -81,6 +81,9 @@ HERMES = (
          '<tool_call>{"name": "f", "arguments": {"a": "\\udc80"}}</tool_call>', []),
         ('<tool_call>{"name": "\\udc80", "arguments": {}}</tool_call>', "auto", "hermes",
          '<tool_call>{"name": "\\udc80", "arguments": {}}</tool_call>', []),
+        # required too: one call that is not one makes the answer content, not fewer calls
+        ('[{"name": "a", "parameters": {"x": "\\udc80"}}, {"name": "b", "parameters": {}}]', "required",
+         "hermes", '[{"name": "a", "parameters": {"x": "\\udc80"}}, {"name": "b", "parameters": {}}]', []),
     ],
 )  # fmt: skip
 def test_parse_whole_and_streamed(

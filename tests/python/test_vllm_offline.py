@@ -202,6 +202,13 @@ def test_add_request_keeps_its_own_params(engine: Engine) -> None:
     assert [len(c.token_ids) for c in done["shared-a"].outputs] == [4, 4]
     assert [len(c.token_ids) for c in done["shared-b"].outputs] == [2]
     assert engine.get_num_unfinished_requests() == 0
+    # a request whose last output another caller's generate() holds for it still counts
+    engine.add_request("held", [5, 9, 3], dataclasses.replace(sp, n=1, max_tokens=2))
+    engine.generate([[7, 7, 7]], dataclasses.replace(sp, n=1, max_tokens=8))
+    assert engine.get_num_unfinished_requests() == 1
+    while engine.get_num_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step().outputs if o.finished})
+    assert "held" in done and not engine.has_unfinished_requests()
 
 
 def test_vllms_engine_keywords_are_served_or_refused_by_name(path: Path, tmp_path: Path) -> None:

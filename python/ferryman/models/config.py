@@ -114,9 +114,9 @@ def _sliding_window(d: dict[str, Any], arch: str) -> int | None:
     ``max_window_layers`` on (or ``layer_types`` naming one), as transformers decides."""
     window = d.get("sliding_window")
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        if not d.get("use_sliding_window", False):
+        window = d.get("sliding_window", 4096)  # their configs' default when absent (null: none)
+        if not d.get("use_sliding_window", False) or window is None:
             return None
-        window = 4096 if window is None else window  # their configs' defaults, as max_window_layers'
         types = d.get("layer_types")
         if types is not None:
             return int(window) if "sliding_attention" in types else None

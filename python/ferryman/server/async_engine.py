@@ -121,6 +121,8 @@ class AsyncEngine(EngineThread):
     ) -> list[AsyncIterator[Update]]:
         """``add`` for (request id, prompt) pairs sharing ``params``, all or none: when one is
         refused, none runs (vLLM checks a batch's prompts before it submits any)."""
+        if not prompts:
+            return []
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
         if self.draining:

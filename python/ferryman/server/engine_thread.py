@@ -112,7 +112,7 @@ class EngineThread:
                 self.engine.add_request(rid, prompt, params, arrival, prompt_token_ids=ids)
                 added.append(rid)
         except Exception as e:
-            for rid in added:  # no step has run since: nothing of them was computed or counted
+            for rid in added:  # no step has run since: nothing computed, nothing on /metrics
                 self.engine.abort_request(rid)
             for *_, stream in group:
                 stream.post(e)

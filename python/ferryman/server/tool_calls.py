@@ -66,8 +66,10 @@ def parse(text: str, choice: ToolChoice, parser: Parser) -> tuple[str | None, li
             items = json.loads(text)
         except ValueError:
             return text, []
-        calls = [c for c in (_call(i, "parameters") for i in items) if c] if isinstance(items, list) else []
-        return (None, calls) if calls else (text, [])
+        each = [_call(i, "parameters") for i in items] if isinstance(items, list) else []
+        if not each or None in each:  # all or none, as auto's
+            return text, []
+        return None, [c for c in each if c is not None]
     if choice == "none":
         return text, []
     if parser == "llama3_json":

@@ -98,11 +98,11 @@ def rope_scaling_from_gguf(meta: dict[str, Any], arch: str) -> dict[str, Any] | 
     """The Hugging Face ``rope_scaling`` of a file's ``{arch}.rope.scaling.*`` keys (or the older
     ``{arch}.rope.scale_linear``); None for unscaled RoPE."""
     key = f"{arch}.rope.scaling."
-    kind = meta.get(key + "type", "none")
+    kind = meta.get(key + "type")
     factor = meta.get(key + "factor", meta.get(f"{arch}.rope.scale_linear"))
-    if kind == "none" and factor is not None and float(factor) != 1.0:
-        kind = "linear"  # an old file: only rope.scale_linear
-    if kind == "none":
+    if kind is None:  # an old file: only a factor, linear (llama.cpp's type when none is named)
+        kind = "linear" if factor is not None and float(factor) != 1.0 else "none"
+    if kind == "none":  # named: never scaled, whatever the factor (llama.cpp's rule)
         return None
     if factor is None:
         raise ValueError(f"rope scaling {kind!r} without {key}factor")
@@ -110,10 +110,14 @@ def rope_scaling_from_gguf(meta: dict[str, Any], arch: str) -> dict[str, Any] | 
         return {"rope_type": "linear", "factor": float(factor)}
     if kind != "yarn":
         raise ValueError(f"GGUF rope scaling type {kind!r} is not supported (none, linear, yarn are)")
+    # llama.cpp's: the original context defaults to the trained one
+    orig = meta.get(key + "original_context_length", meta.get(f"{arch}.context_length"))
+    if orig is None:
+        raise ValueError(f"yarn rope scaling without {key}original_context_length or {arch}.context_length")
     s: dict[str, Any] = {
         "rope_type": "yarn",
         "factor": float(factor),
-        "original_max_position_embeddings": int(meta[key + "original_context_length"]),
+        "original_max_position_embeddings": int(orig),
     }
     for ours, theirs in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
         if meta.get(key + theirs) is not None:
@@ -180,7 +184,13 @@ def read_tensors(reader: Any) -> dict[str, torch.Tensor]:
 
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        try:
+            raw = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError:  # gguf-py reads no such type (F64, integer types, Q8_K, ...)
+            raise ValueError(
+                f"tensor {t.name} has type {t.tensor_type.name}, which ferryman cannot read"
+            ) from None
+        w = torch.from_numpy(np.array(raw, dtype=np.float32))
         tensors[_hf_name(t.name)] = w.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
     return tensors
 

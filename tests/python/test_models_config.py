@@ -202,6 +202,36 @@ def test_gguf_file_edges(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
             load_model(bad, torch.float32, CPU)
 
 
+def test_gguf_rope_keys_and_tensor_types_as_llama_cpp_reads_them() -> None:
+    """A scaling type named "none" scales nothing whatever the factor (a factor alone is an old
+    file's linear); yarn's original context defaults to the trained one; a tensor type gguf-py
+    cannot read is named (a bare NotImplementedError before, not a ModelLoadError)."""
+    from types import SimpleNamespace
+
+    import gguf
+    import numpy as np
+
+    from ferryman.gguf_loader import read_tensors, rope_scaling_from_gguf
+
+    k = "llama.rope.scaling."
+    assert rope_scaling_from_gguf({k + "type": "none", k + "factor": 4.0}, "llama") is None
+    assert rope_scaling_from_gguf({k + "factor": 4.0}, "llama") == {"rope_type": "linear", "factor": 4.0}
+    yarn = rope_scaling_from_gguf(
+        {k + "type": "yarn", k + "factor": 4.0, "llama.context_length": 64}, "llama"
+    )
+    assert yarn is not None and yarn["original_max_position_embeddings"] == 64
+    with pytest.raises(ValueError, match="original_context_length"):
+        rope_scaling_from_gguf({k + "type": "yarn", k + "factor": 4.0}, "llama")
+    f64 = SimpleNamespace(
+        name="blk.0.ffn_norm.weight",
+        data=np.ones(4),
+        tensor_type=gguf.GGMLQuantizationType.F64,
+        shape=np.array([4]),
+    )
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_norm\.weight has type F64"):
+        read_tensors(SimpleNamespace(tensors=[f64]))
+
+
 def test_a_config_without_architectures_goes_by_model_type_and_yarn_by_its_default_context(
     tmp_path: Path,
 ) -> None:

@@ -42,7 +42,15 @@ def knob(
 
 
 def at_least(lo: float) -> _Check:
-    return lambda v: None if v >= lo else f"must be >= {lo}"
+    # below 2**63: a larger int overflowed the core's conversion (an OverflowError, not a name)
+    return lambda v: (None if v < 1 << 63 else "is too large") if v >= lo else f"must be >= {lo}"
+
+
+def in_range(lo: int, hi: int) -> _Check:
+    return lambda v: None if lo <= v <= hi else f"must be in [{lo}, {hi}]"
+
+
+I32_MAX = (1 << 31) - 1  # counts, lengths and block ids cross the boundary as int32
 
 
 def _gib(v: float) -> str | None:
@@ -60,7 +68,7 @@ def power_of_two(v: int) -> str | None:
 
 def _device_name(v: str) -> str | None:
     head, _, index = v.partition(":")
-    ok = v in ("auto", "cpu") or (head == "cuda" and (not index or index.isdigit()))
+    ok = v in ("auto", "cpu") or (head == "cuda" and (v == "cuda" or (index.isascii() and index.isdigit())))
     return None if ok else "must be 'auto', 'cpu' or 'cuda[:N]'"
 
 
@@ -73,18 +81,22 @@ class SchedulerArgs:
         None,
         "token budget of one step (default: 8192 on CUDA and in the simulator, 2048 on CPU; "
         "without chunked prefill at least max_model_len)",
-        check=at_least(1),
+        check=in_range(1, I32_MAX - 1),
     )
-    max_num_seqs: int = knob(256, "most sequences running at once", check=at_least(1))
+    max_num_seqs: int = knob(256, "most sequences running at once", check=in_range(1, 1 << 20))
     max_model_len: int | None = knob(
-        None, "longest prompt + output of a request (default: the model's context)", check=at_least(1)
+        None,
+        "longest prompt + output of a request (default: the model's context)",
+        check=in_range(1, I32_MAX - 1),
     )
     num_device_blocks: int | None = knob(
         None,
         "device KV blocks (default: profiled to gpu_memory_utilization on CUDA, kv_cache_memory on CPU)",
-        check=at_least(1),
+        check=in_range(1, I32_MAX - 1),
     )
-    num_host_blocks: int | None = knob(None, "host KV blocks (default: from swap_space)", check=at_least(0))
+    num_host_blocks: int | None = knob(
+        None, "host KV blocks (default: from swap_space)", check=in_range(0, I32_MAX - 1)
+    )
     swap_space: float = knob(4.0, "host memory for swapped KV, GiB", check=_gib)
     gpu_memory_utilization: float = knob(
         0.9, "share of the GPU's memory for weights, activations and KV", check=in_unit_interval

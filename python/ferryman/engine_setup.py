@@ -86,16 +86,18 @@ def make_current(device: torch.device) -> None:
 
 def build_parts(args: EngineArgs) -> EngineParts:
     device = resolve_device(args.device)
-    make_current(device)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.tensor_parallel_size == 1 and device.type == "cuda" and (device.index or 0) >= count:
+        raise InvalidRequestError(
+            f"device {args.device!r}: no such CUDA GPU here ({count} visible; 'cpu' runs on the CPU)"
+        )
+    make_current(device)  # after the check: torch's error for a missing GPU names no knob
     dtype = resolve_dtype(args.dtype, device)
     path = resolve_model_path(args.model, args.load_format != "dummy", args.revision, args.download_dir)
     if args.quantization == "gguf" and not is_gguf(path):
         raise InvalidRequestError(f"quantization='gguf' needs a .gguf model; {args.model!r} is not one")
     n = args.tensor_parallel_size
     cannot = check_devices(device, n, args.distributed_executor_backend) if n > 1 else None
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if n == 1 and device.type == "cuda" and (device.index or 0) >= count:  # a clear error, before loading
-        cannot = f"device {args.device!r}: no such CUDA GPU here ({count} visible; 'cpu' runs on the CPU)"
     if cannot is not None:
         raise InvalidRequestError(cannot)
     if n > 1 and args.load_format == "dummy":
@@ -117,6 +119,11 @@ def build_parts(args: EngineArgs) -> EngineParts:
     if num_host_blocks is None:
         num_host_blocks = int(args.swap_space * (1 << 30)) // bpb
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if device.type != "cuda" and num_device_blocks is not None and num_device_blocks * bpb > ram:
+        raise InvalidRequestError(  # on the CPU the device pool is host memory too
+            f"the KV pool ({num_device_blocks} blocks, {num_device_blocks * bpb / (1 << 30):.1f} GiB: "
+            f"kv_cache_memory / num_device_blocks) exceeds this machine's memory ({ram / (1 << 30):.1f} GiB)"
+        )
     if num_host_blocks * bpb > ram:  # the host pool is allocated now: say why, not torch's error
         raise InvalidRequestError(
             f"the host KV pool ({num_host_blocks} blocks, {num_host_blocks * bpb / (1 << 30):.1f} GiB: "

@@ -154,7 +154,8 @@ impl SchedulerConfig {
             return bad(format!("block_size must be a power of two up to 4096, got {}", self.block_size));
         }
         if self.num_device_blocks == 0 || self.num_device_blocks >= i32::MAX as usize {
-            return bad(format!("num_device_blocks must be >= 1, got {}", self.num_device_blocks));
+            let most = i32::MAX - 1;
+            return bad(format!("num_device_blocks must be in 1..={most}, got {}", self.num_device_blocks));
         }
         if self.num_host_blocks >= i32::MAX as usize {
             return bad(format!("num_host_blocks too large: {}", self.num_host_blocks));
@@ -162,8 +163,10 @@ impl SchedulerConfig {
         if (self.num_device_blocks + 1).saturating_mul(self.block_size) >= i64::MAX as usize {
             return bad("num_device_blocks * block_size overflows a slot index".into());
         }
-        if self.max_num_batched_tokens == 0 {
-            return bad("max_num_batched_tokens must be >= 1".into());
+        if self.max_num_batched_tokens == 0 || self.max_num_batched_tokens >= i32::MAX as usize {
+            // a step's tokens cross as int32 (and the simulator sizes arrays by the budget)
+            let most = i32::MAX - 1;
+            return bad(format!("max_num_batched_tokens must be in 1..={most}, got {}", self.max_num_batched_tokens));
         }
         if self.max_num_seqs == 0 {
             return bad("max_num_seqs must be >= 1".into());

@@ -314,7 +314,39 @@ def test_a_chat_template_flag_is_a_file_or_the_template(tmp_path: Path) -> None:
     f.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
     assert template_text(str(f)) == f.read_text()
     assert template_text("{{ messages }}") == "{{ messages }}"
-    assert template_text(str(tmp_path / "missing.jinja")) == str(tmp_path / "missing.jinja")
+    # vLLM's rule: a name that is no file and no template is refused (it was served as the
+    # template, and every message was dropped)
+    with pytest.raises(ValueError, match="no such file, and not a template"):
+        template_text(str(tmp_path / "missing.jinja"))
+
+
+def test_serve_refuses_its_own_flags_before_loading_the_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A NaN drain timeout (the drain never timed out), a template path that does not exist (it
+    was served as the template) and a trace file that cannot be written (found once the model had
+    loaded) are exit 2, one line, before the (here missing) model is looked at."""
+    from ferryman.engine_args import EngineArgs
+    from ferryman.server.run import serve
+
+    args = EngineArgs(model="no/such/model")
+    for kw, said in (
+        ({"shutdown_timeout": float("nan")}, "--shutdown-timeout must be >= 0, got nan"),
+        ({"chat_template": str(tmp_path / "missing.jinja")}, "no such file, and not a template"),
+        ({"trace": str(tmp_path / "no" / "dir" / "t.jsonl")}, "No such file or directory"),
+        ({"max_waiting": 0}, "ferryman serve: error: --max-waiting must be >= 1"),
+    ):
+        assert serve(args, **kw) == 2, kw  # type: ignore[arg-type]
+        assert said in capsys.readouterr().err
+
+
+def test_a_cpu_kv_pool_past_the_machines_memory_is_refused_by_name(tmp_path: Path) -> None:
+    """On the CPU the device pool is host memory: a bare "[Errno 12] Cannot allocate memory"."""
+    from ferryman import Engine, InvalidRequestError
+
+    model = build("llama", tmp_path)
+    with pytest.raises(InvalidRequestError, match="kv_cache_memory / num_device_blocks"):
+        Engine(str(model), kv_cache_memory=1 << 55, calibrate=False, swap_space=0)
 
 
 def test_ferryman_runs_without_ray_and_what_needs_ray_says_so() -> None:
@@ -365,7 +397,7 @@ def test_bad_files_and_values_are_said_without_a_traceback(
         assert said in capsys.readouterr().err
     bench = ["bench", "throughput", "--model", "no/such", "--no-hf", "--num-device-blocks", "0"]
     assert main(bench) == 2  # 0 was taken as "the default" (every request fits)
-    assert "num_device_blocks must be >= 1, got 0" in capsys.readouterr().err
+    assert "num_device_blocks must be in [1, 2147483646], got 0" in capsys.readouterr().err
     sim = ["sim", "--num-requests", "5", "--model-shape", "smollm2-135m"]
     trace = tmp_path / "refused.jsonl"
     assert main([*sim, "--gpu-memory-utilization", "1e-9", "--trace", str(trace)]) == 2
@@ -439,5 +471,6 @@ def test_bad_files_and_values_are_said_without_a_traceback(
         assert main(["bench", "throughput", "--no-hf", *flags]) == 2
         assert said in capsys.readouterr().err
     if not torch.cuda.is_available():
-        assert main(["generate", "hi", "--device", "cuda"]) == 2
-        assert "no such CUDA GPU here (0 visible" in capsys.readouterr().err
+        for device in ("cuda", "cuda:0"):  # an index reached torch's "no NVIDIA driver" first
+            assert main(["generate", "hi", "--device", device]) == 2
+            assert "no such CUDA GPU here (0 visible" in capsys.readouterr().err

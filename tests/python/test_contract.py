@@ -50,6 +50,8 @@ def test_config_defaults_are_the_contracts() -> None:
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"max_num_seqs": 2**40}, "max_num_seqs must be at most 1048576"),  # aborted on memory
         ({"max_model_len": 2**40}, r"max_model_len must be in 1\.\.=2147483646"),
+        ({"num_device_blocks": 2**31}, r"num_device_blocks must be in 1\.\.=2147483646"),  # said ">= 1"
+        ({"max_num_batched_tokens": 2**40}, r"max_num_batched_tokens must be in 1\.\.=2147483646"),
         ({"preemption_mode": "evict"}, "preemption_mode"),
         ({"policy": "lifo"}, "policy"),
         ({"watermark": 1.5}, "watermark"),

@@ -17,9 +17,16 @@ from ferryman.sim import SimConfig
     ("field", "value", "message"),
     [
         ("block_size", 12, "block_size must be a power of two"),
-        ("max_num_seqs", 0, "max_num_seqs must be >= 1"),
-        ("max_num_batched_tokens", 0, "max_num_batched_tokens must be >= 1"),
-        ("num_host_blocks", -1, "num_host_blocks must be >= 0"),
+        ("max_num_seqs", 0, r"max_num_seqs must be in \[1, 1048576\]"),
+        ("max_num_seqs", 2**40, r"max_num_seqs must be in \[1, 1048576\]"),  # numpy's MemoryError
+        ("max_num_batched_tokens", 0, r"max_num_batched_tokens must be in \[1, 2147483646\]"),
+        ("max_num_batched_tokens", 2**70, r"max_num_batched_tokens must be in \[1, 2147483646\]"),
+        ("max_model_len", 2**31, r"max_model_len must be in \[1, 2147483646\]"),
+        ("num_device_blocks", 2**40, r"num_device_blocks must be in \[1, 2147483646\]"),
+        ("num_host_blocks", -1, r"num_host_blocks must be in \[0, 2147483646\]"),
+        ("kv_cache_memory", 2**70, "kv_cache_memory is too large"),  # an OverflowError in the core
+        ("device", "cuda:", "device must be 'auto', 'cpu' or 'cuda"),  # torch's own error, later
+        ("device", "cuda:\u0663", "device must be 'auto', 'cpu' or 'cuda"),  # a digit, not ASCII
         ("swap_space", float("inf"), r"swap_space must be a size in GiB in \[0, 1048576\]"),  # a traceback
         ("swap_space", 1e30, "swap_space must be a size in GiB"),
         ("gpu_memory_utilization", 1.5, r"gpu_memory_utilization must be in \(0, 1\]"),
@@ -46,7 +53,7 @@ def test_the_engine_takes_exactly_engine_args_and_checks_before_loading() -> Non
     with pytest.raises(TypeError, match="max_batch"):
         Engine("no/such/model", max_batch=4)
     # the value is refused before the (missing) model is looked at
-    with pytest.raises(InvalidRequestError, match="max_num_seqs must be >= 1"):
+    with pytest.raises(InvalidRequestError, match=r"max_num_seqs must be in \[1, 1048576\]"):
         Engine("no/such/model", max_num_seqs=0)
 
 

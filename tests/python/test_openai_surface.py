@@ -126,6 +126,9 @@ def test_an_api_key_guards_the_v1_routes(spare: Engine) -> None:
         assert c.post("/v1/completions", json=body, headers=ok).status_code == 200
         assert c.get("/v1/models", headers=ok).json()["data"][0]["id"] == "tiny"
         assert c.get("/health").status_code == 200
+    # an empty key is no key (vLLM's): no client can send "Bearer " with nothing after it
+    with TestClient(build_app(AsyncEngine(spare), "tiny", api_key="")) as c:
+        assert c.get("/v1/models").status_code == 200
 
 
 def test_a_content_part_that_is_not_text_is_refused_in_one_sentence(client: TestClient) -> None:

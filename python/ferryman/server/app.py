@@ -67,7 +67,9 @@ def build_app(
 
     app = FastAPI(title="ferryman", lifespan=lifespan)
     install_error_handlers(app)
-    if api_key is not None:  # inside CORS (added before it), so a refusal has CORS headers too
+    # "" is no key (vLLM's: no client sends an empty bearer token); inside CORS (added before
+    # it), so a refusal has CORS headers too
+    if api_key:
         want = f"Bearer {api_key}".encode()
 
         @app.middleware("http")

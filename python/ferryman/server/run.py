@@ -51,29 +51,35 @@ def serve(
     the bearer token ``/v1`` routes need; ``tool_call_parser``, if given, must be the format the
     model's chat template uses (``tools.pick_parser``); ``chat_template`` (a file, or the template
     itself, as vLLM's ``--chat-template``) replaces the model's."""
+
+    def refuse(msg: str) -> int:
+        print(f"ferryman serve: error: {msg}", file=sys.stderr)
+        return 2
+
     if max_waiting is not None and max_waiting < 1:
-        print("--max-waiting must be >= 1", file=sys.stderr)
-        return 2
-    if shutdown_timeout < 0:
-        print("--shutdown-timeout must be >= 0", file=sys.stderr)
-        return 2
+        return refuse("--max-waiting must be >= 1")
+    if not shutdown_timeout >= 0:  # NaN too: the drain's deadline never came
+        return refuse(f"--shutdown-timeout must be >= 0, got {shutdown_timeout}")
+    try:  # what needs no model first
+        text = None if chat_template is None else template_text(chat_template)
+        writer = TraceWriter(trace) if trace else None
+    except (OSError, ValueError) as e:
+        return refuse(str(e))
     engine = Engine.from_engine_args(args)
-    if chat_template is not None:
+    if text is not None:
         if engine.tokenizer is None:
-            print("--chat-template: this model has no tokenizer", file=sys.stderr)
-            return 2
-        engine.tokenizer.chat_template = template_text(chat_template)
+            return refuse("--chat-template: this model has no tokenizer")
+        engine.tokenizer.chat_template = text
     template = getattr(engine.tokenizer, "chat_template", None)
     picked = pick_parser(template if isinstance(template, str) else None)  # as the chat route picks
     if tool_call_parser not in (None, picked):
-        msg = f"--tool-call-parser {tool_call_parser}: this model's chat template calls tools as {picked}"
-        print(msg, file=sys.stderr)
-        return 2
+        return refuse(
+            f"--tool-call-parser {tool_call_parser}: this model's chat template calls tools as {picked}"
+        )
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     name = names[0] if names else args.model
     cfg = engine.scheduler.config
     metrics = Metrics(cfg, name)
-    writer = TraceWriter(trace) if trace else None
     died: list[BaseException] = []
     server: _DrainingServer | None = None
 
@@ -100,9 +106,15 @@ def serve(
 
 
 def template_text(given: str) -> str:
-    """``--chat-template``: the text of the file it names, else the template it is."""
+    """``--chat-template``: the text of the file it names, else the template it is; a name that
+    is no file and holds none of a template's ``{``, ``}`` or newlines is refused (vLLM's rule:
+    a mistyped path served as the template dropped every message)."""
     path = Path(given)
-    return path.read_text() if len(given) < 4096 and "\n" not in given and path.is_file() else given
+    if len(given) < 4096 and "\n" not in given and path.is_file():
+        return path.read_text()
+    if not any(c in given for c in "{}\n"):
+        raise ValueError(f"--chat-template {given!r}: no such file, and not a template")
+    return given
 
 
 class _DrainingServer(uvicorn.Server):

@@ -41,16 +41,12 @@ def knob(
     return field(default=default, metadata=meta)
 
 
-def at_least(lo: float) -> _Check:
-    # below 2**63: a larger int overflowed the core's conversion (an OverflowError, not a name)
+def at_least(lo: float) -> _Check:  # and below 2**63 (past it the core's conversion overflowed)
     return lambda v: (None if v < 1 << 63 else "is too large") if v >= lo else f"must be >= {lo}"
 
 
-def in_range(lo: int, hi: int) -> _Check:
+def in_range(lo: int, hi: int = (1 << 31) - 2) -> _Check:  # counts and ids cross as int32
     return lambda v: None if lo <= v <= hi else f"must be in [{lo}, {hi}]"
-
-
-I32_MAX = (1 << 31) - 1  # counts, lengths and block ids cross the boundary as int32
 
 
 def _gib(v: float) -> str | None:
@@ -62,7 +58,7 @@ def in_unit_interval(v: float) -> str | None:
     return None if 0 < v <= 1 else "must be in (0, 1]"
 
 
-def power_of_two(v: int) -> str | None:
+def power_of_two(v: int) -> str | None:  # up to 4096
     return None if 0 < v <= 4096 and v & (v - 1) == 0 else "must be a power of two up to 4096"
 
 
@@ -81,22 +77,18 @@ class SchedulerArgs:
         None,
         "token budget of one step (default: 8192 on CUDA and in the simulator, 2048 on CPU; "
         "without chunked prefill at least max_model_len)",
-        check=in_range(1, I32_MAX - 1),
+        check=in_range(1),
     )
     max_num_seqs: int = knob(256, "most sequences running at once", check=in_range(1, 1 << 20))
     max_model_len: int | None = knob(
-        None,
-        "longest prompt + output of a request (default: the model's context)",
-        check=in_range(1, I32_MAX - 1),
+        None, "longest prompt + output of a request (default: the model's context)", check=in_range(1)
     )
     num_device_blocks: int | None = knob(
         None,
         "device KV blocks (default: profiled to gpu_memory_utilization on CUDA, kv_cache_memory on CPU)",
-        check=in_range(1, I32_MAX - 1),
+        check=in_range(1),
     )
-    num_host_blocks: int | None = knob(
-        None, "host KV blocks (default: from swap_space)", check=in_range(0, I32_MAX - 1)
-    )
+    num_host_blocks: int | None = knob(None, "host KV blocks (default: from swap_space)", check=in_range(0))
     swap_space: float = knob(4.0, "host memory for swapped KV, GiB", check=_gib)
     gpu_memory_utilization: float = knob(
         0.9, "share of the GPU's memory for weights, activations and KV", check=in_unit_interval
@@ -282,13 +274,8 @@ def add_cli_args(
             continue
         text = (help_overrides or {}).get(f.name, f.metadata["help"])
         if value_type(cls, f)[0] is bool and f.default is None:  # on, off, or the knob's own rule
-            p.add_argument(
-                "--" + f.name.replace("_", "-"),
-                dest=f.name,
-                action=argparse.BooleanOptionalAction,
-                default=None,
-                help=text,
-            )
+            flag, on_off = "--" + f.name.replace("_", "-"), argparse.BooleanOptionalAction
+            p.add_argument(flag, dest=f.name, action=on_off, default=None, help=text)
             continue
         if isinstance(f.default, bool):
             action = "store_false" if f.default else "store_true"

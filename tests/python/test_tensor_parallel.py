@@ -174,6 +174,57 @@ def test_a_dead_rank_kills_the_engine_not_hangs_it(tmp_path: Path) -> None:
         eng.shutdown()
 
 
+def test_a_ctrl_c_in_a_step_over_ranks_leaves_the_next_call_failing_at_once(tmp_path: Path) -> None:
+    """An interrupt inside rank 0's forward leaves the workers in that step's collectives: the
+    next call raised only when their 60 s timeout killed them; now at once."""
+    path = build("llama", tmp_path / "m")
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    eng = Engine(str(path), calibrate=False, tensor_parallel_size=2)
+    try:
+        layer = eng.runner.local.model.layers[1]
+        real, calls = layer.forward, []
+
+        def forward(*args: Any, **kw: Any) -> Any:
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt  # between the layer's collectives
+            return real(*args, **kw)
+
+        layer.forward = forward
+        with pytest.raises(KeyboardInterrupt):
+            eng.generate([PROMPTS[0]], sp)
+        layer.forward = real
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError, match="interrupted: the ranks are out of step"):
+            eng.generate([PROMPTS[0]], sp)
+        assert time.monotonic() - started < 10
+    finally:
+        eng.shutdown()
+
+
+def test_a_worker_that_dies_while_the_server_idles_stops_it(tmp_path: Path) -> None:
+    """The engine thread checks its ranks while idle: a dead worker ends it (the server then
+    exits, and /health says so) instead of /health answering ok until a request is lost to it."""
+    from ferryman.server.async_engine import AsyncEngine
+
+    path = build("llama", tmp_path / "m")
+    eng = Engine(str(path), calibrate=False, tensor_parallel_size=2)
+    died: list[BaseException] = []
+    ae = AsyncEngine(eng, on_dead=died.append)
+    ae.start()
+    try:
+        worker = eng.runner.workers.procs[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=10)
+        deadline = time.monotonic() + 10
+        while not died and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert died and "tensor-parallel rank stopped" in str(ae.error)
+    finally:
+        ae.shutdown()
+        eng.shutdown()
+
+
 def test_an_idle_engine_stays_alive_past_the_collective_timeout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -80,9 +80,18 @@ class EngineThread:
                 busy = False
                 self._wake.wait(0.1)
                 self._wake.clear()
+                self._check_ranks()
                 continue
             busy = True
             self._step()
+
+    def _check_ranks(self) -> None:
+        """Raises ``EngineDeadError`` once a tensor-parallel worker has stopped (idle, no step
+        would find out: /health said ok and the next request was lost to it)."""
+        workers = getattr(self.engine.runner, "workers", None)
+        gone = workers.dead() if workers is not None else []
+        if gone:
+            raise EngineDeadError(f"a tensor-parallel rank stopped (workers stopped: {', '.join(gone)})")
 
     def _abort_all(self) -> None:
         """Aborts every open request; each unfinished sequence ends with finish_reason "abort"."""

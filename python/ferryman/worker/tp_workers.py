@@ -17,8 +17,8 @@ The plans go over a group of their own whose broadcasts never time out (a worker
 next plan as long as the engine idles); the forward's collectives time out after
 ``RankSpec.timeout_s`` (60 s). A rank that dies makes the next collective fail (gloo reports the
 closed connection at once): the step raises ``RankFailedError``, which the engine treats as fatal
-(it reports itself dead; the server fails every open request), as any error of a step here: a
-rank that raised mid-forward leaves the others inside a collective, out of step for good.
+(it reports itself dead; the server fails every open request), as any error of a step here, and
+the next step after a Ctrl-C in one: a rank that stopped mid-step leaves the others out of step.
 
 With async scheduling a plan may hold decode inputs whose token is still in flight; only rank 0
 holds the previous step's sampled ids, so it broadcasts them over the model's group right after
@@ -226,17 +226,16 @@ def sent_ids(inflight: tuple[int, str] | None, device: torch.device) -> torch.Te
     (``inflight``: their count and dtype), received on this rank's device."""
     if inflight is None:
         return None
-    n, dtype = inflight
-    ids = torch.empty(n, dtype=getattr(torch, dtype), device=device)
+    ids = torch.empty(inflight[0], dtype=getattr(torch, inflight[1]), device=device)
     dist.broadcast(ids, src=0)
     return ids
 
 
 @dataclass
 class _Ranks:
-    """What stopping the workers takes, apart from the runner, so a runner that is dropped (or
-    the interpreter's exit) can stop them (``_stop``). ``broken``: a step on rank 0 did not
-    complete (it raised, or was interrupted), so the workers may wait inside a collective."""
+    """What stopping the workers takes, apart from the runner, so a runner that is dropped (or the
+    interpreter's exit) can stop them (``_stop``). ``broken``: a step on rank 0 did not complete
+    (it raised, or was interrupted): the workers may wait inside a collective, no step runs."""
 
     workers: Workers
     plans: Any
@@ -270,11 +269,14 @@ class TensorParallelRunner:
     def execute(
         self, out: Any, prev: torch.Tensor | None = None, also: np.ndarray | None = None
     ) -> torch.Tensor:
-        started, done = time.perf_counter(), False
+        started, sent, done = time.perf_counter(), False, False
         try:
+            if self.ranks.broken:  # the workers may sit in that step's collectives: no plan reaches them
+                raise RuntimeError("a step on rank 0 was interrupted: the ranks are out of step")
             plan = {f: getattr(out, f) for f in PLAN_FIELDS}
             ids = prev if len(out.inflight_token_indices) else None
             inflight = None if ids is None else (len(ids), str(ids.dtype).removeprefix("torch."))
+            sent = True  # from here a Ctrl-C leaves them out of step
             dist.broadcast_object_list([(plan, also, inflight)], src=0, group=self.plans)
             if ids is not None:  # queued behind this rank's sampling on CUDA; the host does not wait
                 dist.broadcast(ids.contiguous(), src=0)
@@ -288,7 +290,7 @@ class TensorParallelRunner:
             dead = ", ".join(self.workers.dead()) or "none yet"
             raise RankFailedError(f"a tensor-parallel rank failed (workers stopped: {dead}): {e!r}") from e
         finally:
-            self.ranks.broken |= not done  # Ctrl-C inside the forward too
+            self.ranks.broken |= sent and not done  # Ctrl-C inside the forward too
 
     def shutdown(self) -> None:
         """Stops the workers and leaves the group (``_stop``), once."""

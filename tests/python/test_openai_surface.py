@@ -140,6 +140,16 @@ def test_a_content_part_that_is_not_text_is_refused_in_one_sentence(client: Test
         said = "messages.0.content: Value error, only text content parts are supported, got a part of type "
         said += repr(part["type"])
         assert r.status_code == 400 and r.json()["error"]["message"] == said
+    # an assistant's refusal part is its text (OpenAI's spec and vLLM's): a replayed refusal got 400
+    refused = [{"type": "refusal", "refusal": "I cannot share that."}]
+    turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": refused}]
+    as_text = [turns[0], {"role": "assistant", "content": "I cannot share that."}]
+    counts = []
+    for messages in (turns, as_text):
+        r = client.post("/tokenize", json={"messages": [*messages, {"role": "user", "content": "y"}]})
+        assert r.status_code == 200, r.text
+        counts.append(r.json()["tokens"])
+    assert counts[0] == counts[1]
 
 
 def test_the_developer_role_is_the_system_message(client: TestClient) -> None:

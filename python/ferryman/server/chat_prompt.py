@@ -35,12 +35,19 @@ class ChatMessage(Body):
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts_only(cls, v: Any) -> Any:
-        """A part of another type (an image, audio) in one sentence, not the union's every miss."""
-        for part in v if isinstance(v, list) else ():
+        """A part of another type (an image, audio) in one sentence, not the union's every miss;
+        an assistant's ``refusal`` part is its text (OpenAI's and vLLM's)."""
+        if not isinstance(v, list):
+            return v
+        out = []
+        for part in v:
             kind = part.get("type") if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind != "text":
+            if kind == "refusal":
+                part = {"type": "text", "text": part.get("refusal")}
+            elif isinstance(kind, str) and kind != "text":
                 raise ValueError(f"only text content parts are supported, got a part of type {kind!r}")
-        return v
+            out.append(part)
+        return out
 
     def text(self) -> str:
         if isinstance(self.content, list):

@@ -148,7 +148,7 @@ def test_bad_requests_are_rejected_and_others_keep_running(models: dict[str, Pat
     with pytest.raises(InvalidRequestError, match="max_model_len"):
         eng.add_request("long", list(range(60)), SamplingParams(max_tokens=10))
     with pytest.raises(InvalidRequestError, match=r"host KV pool .* exceeds this machine's memory"):
-        Engine(str(models["llama"]), block_size=4, num_device_blocks=16, num_host_blocks=10**12)
+        Engine(str(models["llama"]), block_size=4, num_device_blocks=16, num_host_blocks=(1 << 31) - 2)
     with pytest.raises(InvalidRequestError, match="tokenizer"):
         eng.add_request("text", "no tokenizer here", None)
     with pytest.raises(InvalidRequestError, match="empty"):

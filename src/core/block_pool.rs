@@ -80,6 +80,12 @@ impl BlockPool {
         self.nodes[block as usize].hash
     }
 
+    /// Whether `block` holds registered content (worth keeping when freed).
+    #[inline]
+    pub fn is_cached(&self, block: u32) -> bool {
+        self.nodes[block as usize].hash != NO_HASH
+    }
+
     /// Records that `block` holds the content `hash` (`NO_HASH`: nothing registered).
     #[inline]
     pub fn set_hash(&mut self, block: u32, hash: u128) {

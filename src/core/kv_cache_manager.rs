@@ -228,7 +228,7 @@ impl KvCacheManager {
         let mut freed = 0;
         for &b in table.iter().rev() {
             let b = b as u32;
-            freed += usize::from(self.device.free(b, PrefixCache::is_cached(&self.device, b)));
+            freed += usize::from(self.device.free(b, self.device.is_cached(b)));
         }
         let mut table = table;
         table.clear();
@@ -240,7 +240,7 @@ impl KvCacheManager {
     pub fn truncate(&mut self, idx: ReqIdx, keep: usize) {
         while self.tables[idx.get()].len() > keep {
             let b = self.tables[idx.get()].pop().expect("len > keep") as u32;
-            self.device.free(b, PrefixCache::is_cached(&self.device, b));
+            self.device.free(b, self.device.is_cached(b));
         }
     }
 
@@ -275,7 +275,7 @@ impl KvCacheManager {
     pub fn num_surviving_prefix_blocks(&self, idx: ReqIdx) -> usize {
         self.tables[idx.get()]
             .iter()
-            .take_while(|&&b| self.device.ref_cnt(b as u32) > 1 && PrefixCache::is_cached(&self.device, b as u32))
+            .take_while(|&&b| self.device.ref_cnt(b as u32) > 1 && self.device.is_cached(b as u32))
             .count()
     }
 
@@ -294,9 +294,8 @@ impl KvCacheManager {
         for (i, table) in self.tables.iter().enumerate() {
             // sharing outside the prefix cache comes only from forks, which must be marked so
             // that a write into a shared block copies it first
-            let shared_uncached = table
-                .iter()
-                .any(|&b| self.device.ref_cnt(b as u32) > 1 && !PrefixCache::is_cached(&self.device, b as u32));
+            let shared_uncached =
+                table.iter().any(|&b| self.device.ref_cnt(b as u32) > 1 && !self.device.is_cached(b as u32));
             if shared_uncached && !self.forked[i] {
                 return Err(format!("request index {i} shares an uncached block but is not marked forked"));
             }

@@ -88,16 +88,10 @@ impl PrefixCache {
         self.blocks.find(key(hash), |&b| pool.hash(b) == hash).copied()
     }
 
-    /// Whether `block` holds registered content (worth keeping when freed).
-    #[inline]
-    pub fn is_cached(pool: &BlockPool, block: u32) -> bool {
-        pool.hash(block) != NO_HASH
-    }
-
     /// Registers `block` as holding `hash` unless that content is already cached elsewhere.
     #[inline]
     pub fn insert(&mut self, pool: &mut BlockPool, block: u32, hash: u128) {
-        if pool.hash(block) != NO_HASH {
+        if pool.is_cached(block) {
             return;
         }
         let at = |b: &u32| key(pool.hash(*b));
@@ -193,7 +187,7 @@ mod tests {
         pc.insert(&mut pool, 1, 77);
         pc.insert(&mut pool, 2, 77);
         assert_eq!(pc.lookup(&pool, 77), Some(1));
-        assert!(!PrefixCache::is_cached(&pool, 2));
+        assert!(!pool.is_cached(2));
         pc.evict(&mut pool, 1);
         assert_eq!(pc.lookup(&pool, 77), None);
         pc.check(&pool).unwrap();

@@ -119,14 +119,14 @@ class Engine(FaultsMixin, OfflineMixin):
             raise InvalidRequestError(f"request_id must be a string, got {type(request_id).__name__}")
         if request_id in self._core_ids:
             raise InvalidRequestError(f"request {request_id!r} already exists")
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer, and this model has none")
+        if (params.stop or params.bad_words) and self.tokenizer is None:
+            raise InvalidRequestError("stop strings and bad_words need a tokenizer, and this model has none")
         text, ids = self.tokenize(prompt, prompt_token_ids)
         ids = params.truncated(ids, self.max_model_len)
-        params.check_engine(self.model.cfg.vocab_size, self.args.max_logprobs, self.args.policy)
-        room = min(
-            max(1, self.max_model_len - len(ids)), self.generation_defaults.get("max_tokens") or 1 << 62
-        )
+        params.check_engine(vocab := self.model.cfg.vocab_size, self.args.max_logprobs, self.args.policy)
+        bad_words = params.bad_words_token_ids(self.tokenizer.encode, vocab) if params.bad_words else None
+        cap = self.generation_defaults.get("max_tokens") or 1 << 62
+        room = min(max(1, self.max_model_len - len(ids)), cap)
         max_tokens = params.max_tokens if params.max_tokens is not None else room  # open: to the model's cap
         kind, grammar = params.structured_outputs.spec() if params.structured_outputs else (None, "")
         record = RequestParams(
@@ -156,7 +156,7 @@ class Engine(FaultsMixin, OfflineMixin):
         self._num_added += 1
         seed = params.seed if params.seed is not None else self._rng.randrange(1 << 40)
         stop_ids = [*params.stop_token_ids, *([] if params.ignore_eos else self.eos_token_ids)]
-        self._sampling.set(core_id, params, seed, ids, stop_ids)
+        self._sampling.set(core_id, params, seed, ids, stop_ids, bad_words)
         self._outputs.add(core_id, RequestState(request_id, text, ids, params, RequestMetrics(arrival)))
         self._core_ids[request_id] = core_id
 
@@ -215,8 +215,8 @@ class Engine(FaultsMixin, OfflineMixin):
             raise
 
     def _step(self) -> StepResult:
-        # a grammar's mask needs the step before applied: no overlap while one runs
-        guided = self._sampling.num_guided > 0
+        # a grammar's mask, or a long bad word, needs the step before applied: no overlap then
+        guided = self._sampling.num_synced > 0
         if not self._worker.overlap or (guided and self._inflight is None):
             plan = self._plan()
             try:

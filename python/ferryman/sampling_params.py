@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from numbers import Real
 from typing import Any
@@ -58,6 +59,16 @@ def _check_types(p: SamplingParams) -> None:
         raise ValueError(f"stop_token_ids must be token ids, got {p.stop_token_ids!r}") from None
     if any(not 0 <= t < 2**31 for t in p.stop_token_ids):
         raise ValueError(f"stop_token_ids: token ids must be in [0, 2**31), got {p.stop_token_ids}")
+    if p.allowed_token_ids is not None:
+        try:
+            p.allowed_token_ids = [operator.index(t) for t in p.allowed_token_ids]
+        except TypeError:
+            raise ValueError(f"allowed_token_ids must be token ids, got {p.allowed_token_ids!r}") from None
+        if not p.allowed_token_ids or any(t < 0 for t in p.allowed_token_ids):
+            raise ValueError(f"allowed_token_ids must be non-empty, ids >= 0, got {p.allowed_token_ids}")
+    words = [] if p.bad_words is None else p.bad_words
+    if not isinstance(words, list | tuple) or not all(isinstance(w, str) and w.strip() for w in words):
+        raise ValueError(f"bad_words must be a list of words (not blank), got {p.bad_words!r}")
 
 
 @dataclass(slots=True, frozen=True)
@@ -111,7 +122,8 @@ class SamplingParams:
     ``min_p=0`` disable those filters. ``seed`` makes a request's samples reproducible
     regardless of the batch it runs in.
 
-    Before any filter (greedy included), in this order, as vLLM applies them: ``min_tokens``
+    Before any filter (greedy included), in this order, as vLLM applies them:
+    ``allowed_token_ids`` (no other token is sampled), ``bad_words``, ``min_tokens``
     (the EOS ids and ``stop_token_ids`` cannot be sampled before that many output tokens, and
     ``stop`` strings are looked for only after them),
     ``logit_bias`` (``{token_id: bias}`` added to the logits), then the penalties over each
@@ -138,6 +150,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    # vLLM's: only these token ids may be sampled
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: words never sampled (``bad_words_token_ids``): a word's last token is barred
+    # wherever the output so far ends with its other tokens
+    bad_words: list[str] | None = None
     min_tokens: int = 0
     # the logprob of each prompt token (the first is None) and the top N at each position;
     # such a request takes no prefix-cache hits. With it, max_tokens may be 0 (no output)
@@ -225,9 +242,10 @@ class SamplingParams:
                 f"priority {self.priority} needs the priority scheduling policy (policy='priority'); "
                 f"this engine's policy is {policy!r}"
             )
-        bad = next((t for t in self.logit_bias or () if t >= vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(f"logit_bias: token id {bad} out of range [0, {vocab_size})")
+        for name, ids in (("logit_bias", self.logit_bias), ("allowed_token_ids", self.allowed_token_ids)):
+            bad = next((t for t in ids or () if t >= vocab_size), None)
+            if bad is not None:
+                raise InvalidRequestError(f"{name}: token id {bad} out of range [0, {vocab_size})")
         most = min(max_logprobs, vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
@@ -252,8 +270,29 @@ class SamplingParams:
         c = copy.copy(self)
         c.stop, c.stop_token_ids = list(self.stop), list(self.stop_token_ids)
         c.logit_bias = None if self.logit_bias is None else dict(self.logit_bias)
+        c.allowed_token_ids = None if self.allowed_token_ids is None else list(self.allowed_token_ids)
+        c.bad_words = None if self.bad_words is None else list(self.bad_words)
         c.structured_outputs = copy.deepcopy(self.structured_outputs)
         return c
+
+    def bad_words_token_ids(self, encode: Callable[..., list[int]], vocab_size: int) -> list[list[int]]:
+        """vLLM's: the ids of each bad word as written (leading spaces dropped), and after a space
+        when that spells it with as many tokens and another first one (a word inside the text),
+        by ``encode`` (a tokenizer's, without special tokens); ``InvalidRequestError`` if an id
+        is outside the model's vocabulary."""
+        out: list[list[int]] = []
+        for word in self.bad_words or ():
+            plain = encode(word.lstrip(), add_special_tokens=False)
+            if not plain:
+                continue
+            out.append(plain)
+            spaced = encode(" " + word.lstrip(), add_special_tokens=False)
+            if len(spaced) == len(plain) and spaced[0] != plain[0]:
+                out.append(spaced)
+        bad = next((t for ids in out for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"bad_words: token id {bad} out of range [0, {vocab_size})")
+        return out
 
     @property
     def penalized(self) -> bool:

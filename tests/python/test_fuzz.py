@@ -85,7 +85,8 @@ asgi.shutdown_lifespans()  # loading the schema started that app's engine thread
 
 # The engine's refusals that depend on the model (``Scheduler::add_request``, ``Engine._tokenize``).
 MODEL_LIMITS = re.compile(
-    rf"exceeds max_model_len={MAX_MODEL_LEN}$|^(logit_bias: )?token id \d+ out of range \[0, {VOCAB}\)$"
+    rf"exceeds max_model_len={MAX_MODEL_LEN}$"
+    rf"|^((logit_bias|allowed_token_ids|bad_words): )?token id \d+ out of range \[0, {VOCAB}\)$"
     r"|^min_tokens \(\d+\) must be <= max_tokens|^max_tokens must be >= 1 \(0 only with echo\)"
     # a grammar whose text does not compile (JSON Schema cannot say what a regex or Lark grammar
     # is), and two fields that ask for a grammar at once (a rule between fields)
@@ -100,6 +101,8 @@ MODEL_LIMITS = re.compile(
     r"|^chat template: |^echo is not supported with truncate_prompt_tokens$"
     # the engine's policy: a priority other than 0 needs policy "priority" (vLLM's rule)
     r"|^priority -?\d+ needs the priority scheduling policy"
+    # a bad word that is all whitespace, as Python's str.strip() has it (JSON Schema cannot say)
+    r"|^bad_words must be a list of words \(not blank\)"
 )
 
 

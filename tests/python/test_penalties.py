@@ -26,8 +26,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build("llama", tmp_path_factory.mktemp("penalties"))
 
 
-def reference(model: Path, prompt: list[int], p: SamplingParams, stop_ids: list[int]) -> list[int]:
-    """Greedy tokens with vLLM's rules, one full forward per token (float32 transformers)."""
+def reference(
+    model: Path, prompt: list[int], p: SamplingParams, stop_ids: list[int], bad: list[list[int]] = ()
+) -> list[int]:
+    """Greedy tokens with vLLM's rules, one full forward per token (float32 transformers);
+    ``bad``: the bad words' token ids."""
     import transformers as tf
 
     hf = tf.AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
@@ -37,6 +40,13 @@ def reference(model: Path, prompt: list[int], p: SamplingParams, stop_ids: list[
     while len(out) < p.max_tokens:
         with torch.no_grad():
             lg = hf(torch.tensor([seq])).logits[0, -1].clone()
+        if p.allowed_token_ids is not None:
+            keep = lg[p.allowed_token_ids].clone()
+            lg[:] = float("-inf")
+            lg[p.allowed_token_ids] = keep
+        for w in bad:
+            if len(w) == 1 or out[len(out) - len(w) + 1 :] == w[:-1]:
+                lg[w[-1]] = float("-inf")
         if len(out) < p.min_tokens:
             lg[stop_ids] = float("-inf")
         for t, b in (p.logit_bias or {}).items():
@@ -156,6 +166,75 @@ def test_a_bias_outside_the_vocabulary_is_refused(model: Path) -> None:
     assert len(eng.generate([[3]], SamplingParams(max_tokens=2))) == 1
 
 
+def test_bad_words_are_tokenized_as_vllm_does() -> None:
+    """A word as written, and after a space when that spells it with as many tokens and another
+    first one (a word inside the text); a longer spelling after a space is not added."""
+    vocab = {"hello": [5], " hello": [9], "new york": [1, 2], " new york": [3, 2], "cat": [7], " cat": [7]}
+    vocab |= {"big cat": [7, 8], " big cat": [4, 7, 8]}
+    p = SamplingParams(bad_words=["  hello", "new york", "cat", "big cat"])
+    got = p.bad_words_token_ids(lambda text, add_special_tokens: vocab[text], 10)
+    assert got == [[5], [9], [1, 2], [3, 2], [7], [7, 8]]
+    with pytest.raises(InvalidRequestError, match="bad_words: token id 9 out of range"):
+        p.bad_words_token_ids(lambda text, add_special_tokens: vocab[text], 9)
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        ({"allowed_token_ids": []}, "allowed_token_ids must be non-empty"),
+        ({"allowed_token_ids": [3, -1]}, "allowed_token_ids must be non-empty"),
+        ({"allowed_token_ids": ["a"]}, "allowed_token_ids must be token ids"),
+        ({"bad_words": ["ok", "  "]}, "bad_words must be a list of words"),
+        ({"bad_words": [3]}, "bad_words must be a list of words"),
+        ({"bad_words": 3}, "bad_words must be a list of words"),
+        ({"bad_words": "word"}, "bad_words must be a list of words"),
+    ],
+)
+def test_bad_masks_are_refused(kw: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        SamplingParams(**kw)
+
+
+def test_allowed_token_ids_and_bad_words_match_the_reference_loop(tmp_path: Path) -> None:
+    """Only the allowed ids are sampled; a two-token bad word never appears (its second token is
+    barred after its first, in the output), a one-token one never at all; the same under
+    forced preemption with async scheduling asked for (such requests run without overlap)."""
+    model = build("llama", tmp_path, tokenizer=True)
+    eng = Engine(str(model), calibrate=False, block_size=4)
+    letters = eng.tokenizer.encode("abcdefgh", add_special_tokens=False)
+    g: dict[str, Any] = {
+        "temperature": 0.0,
+        "max_tokens": 12,
+        "ignore_eos": True,
+        "allowed_token_ids": letters,
+    }
+    prompt = [72, 105, 72, 105]
+    first = eng.generate([prompt], SamplingParams(**g))[0].outputs[0]
+    assert set(first.token_ids) <= set(letters)
+    assert first.token_ids == reference(model, prompt, SamplingParams(**g), [])
+    word, single = first.text[:2], first.text[5]
+    p = SamplingParams(**g, bad_words=[word, single])
+    bad = [eng.tokenizer.encode(w, add_special_tokens=False) for w in (word, single)]
+    want = reference(model, prompt, p, [], bad)
+    assert want != first.token_ids and set(want) <= set(letters)
+    out = eng.generate([prompt], p)[0].outputs[0]
+    assert out.token_ids == want and word not in out.text and single not in out.text
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids: token id 259 out of range"):
+        eng.add_request("x", prompt, SamplingParams(allowed_token_ids=[1, 259]))
+    tight = Engine(
+        str(model),
+        calibrate=False,
+        block_size=4,
+        num_device_blocks=9,
+        max_num_batched_tokens=8,
+        async_scheduling=True,
+    )
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = tight.generate([prompt] * 4, [p, plain, p, plain])
+    assert [o.outputs[0].token_ids for o in outs[::2]] == [want, want]
+    assert tight.stats()["num_preemptions"] > 0
+
+
 def test_the_server_takes_the_fields(tmp_path: Path) -> None:
     from test_server import Server
 
@@ -171,6 +250,11 @@ def test_the_server_takes_the_fields(tmp_path: Path) -> None:
             ),
             ({"logit_bias": {"65": 100}}, {"logit_bias": {65: 100.0}}),
             ({"repetition_penalty": 1.5, "min_tokens": 3}, {"repetition_penalty": 1.5, "min_tokens": 3}),
+            ({"allowed_token_ids": [65, 66, 67]}, {"allowed_token_ids": [65, 66, 67]}),
+            (
+                {"allowed_token_ids": [65, 66], "bad_words": ["b"]},
+                {"allowed_token_ids": [65, 66], "bad_words": ["b"]},
+            ),
         ]:
             r = httpx.post(s.url + "/v1/completions", json={**body, **extra})
             assert r.status_code == 200, r.text
@@ -181,6 +265,10 @@ def test_the_server_takes_the_fields(tmp_path: Path) -> None:
         assert r.json()["choices"][0]["text"] != ""
         r = httpx.post(s.url + "/v1/completions", json={**body, "logit_bias": {"65": 100}})
         assert r.json()["choices"][0]["text"] == offline.tokenizer.decode([65]) * 8  # only token 65
+        r = httpx.post(
+            s.url + "/v1/completions", json={**body, "allowed_token_ids": [65, 66], "bad_words": ["b"]}
+        )
+        assert r.json()["choices"][0]["text"] == "c" * 8  # token 65 is "b", 66 "c"
         for bad in ({"logit_bias": {"x": 1}}, {"frequency_penalty": 3}, {"logit_bias": {"999": 1}}):
             r = httpx.post(s.url + "/v1/completions", json={**body, **bad})
             assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text

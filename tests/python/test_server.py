@@ -275,9 +275,11 @@ BAD_REQUESTS: list[tuple[str, Any, int, str]] = [
         400,
         "response_format",
     ),
+    (CMPL, {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    (CMPL, {"prompt": "x", "allowed_token_ids": [1, 10**6]}, 400, "allowed_token_ids: token id 1000000"),
+    (CMPL, {"prompt": "x", "bad_words": [" "]}, 400, "bad_words must be a list of words"),
+    (CMPL, {"prompt": "x", "bad_words": "x"}, 400, "bad_words"),
     # vLLM's fields not implemented are refused by name too
-    (CMPL, {"prompt": "x", "allowed_token_ids": [1, 2]}, 400, "allowed_token_ids is not supported"),
-    (CMPL, {"prompt": "x", "bad_words": ["x"]}, 400, "bad_words is not supported"),
     (CMPL, {"prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
     (CMPL, {"prompt": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "echo": True}, 400, "echo"),

@@ -104,6 +104,7 @@ from ferryman.server.schema_types import (
     MaxTokens,
     Prompt,
     TokenId,
+    TokenIds,
     TopLogprobs,
     Unsupported,
     _json_false,
@@ -147,8 +148,8 @@ class _Sampling(StructuredFields):
     # vLLM's: logprobs name tokens as "token_id:{id}" instead of their text
     return_tokens_as_token_ids: bool = False
     # vLLM's fields that would change the answer and are not implemented: refused by name
-    allowed_token_ids: Unsupported = None
-    bad_words: Unsupported = None
+    allowed_token_ids: TokenIds | None = None  # vLLM's: only these ids are sampled
+    bad_words: list[str] | None = None  # vLLM's: words never sampled
     prompt_embeds: Unsupported = None
     # special tokens are always left out of the text: only the default is served
     skip_special_tokens: Annotated[Literal[True], BeforeValidator(_json_true)] | None = None
@@ -197,6 +198,8 @@ class _Sampling(StructuredFields):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             min_tokens=self.min_tokens,
             prompt_logprobs=prompt_logprobs,
             structured_outputs=self.structured(),

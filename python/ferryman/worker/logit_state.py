@@ -1,9 +1,10 @@
 """Per-row logit state beyond the filters: penalties (each penalized row's output-token counts
-and prompt marks), logit biases (a padded per-row table) and ``min_tokens``; and prompt
-logprobs. The tensors live on the device, allocated only once a request needs them; a row's
-state is written when a sequence takes it (from the core's tokens, so it survives preemption),
-and counts grow by each step's sampled tokens. ``SamplingTable`` (``sampling_table.py``) decides
-per step what applies (``adjust_args``, ``prompt_args``, on the host when the step is planned)."""
+and prompt marks), logit biases (a padded per-row table), fixed masks (``allowed_token_ids``,
+one-token bad words), ``min_tokens`` and bad words of several tokens; and prompt logprobs. The
+tensors live on the device, allocated only once a request needs them; a row's state is written
+when a sequence takes it (from the core's tokens, so it survives preemption), and counts grow by
+each step's sampled tokens. ``SamplingTable`` (``sampling_table.py``) decides per step what
+applies (``adjust_args``, ``prompt_args``, on the host when the step is planned)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ _NONE = np.zeros(0, np.int64)
 @dataclass(slots=True)
 class Adjust:
     """What a step changes in its logits before sampling (none of it on most steps): sample
-    indices of each kind, the rows taking penalized or biased requests with their state, and
-    the (sample, token) pairs ``min_tokens`` forbids."""
+    indices of each kind, the rows taking penalized, biased or masked requests with their state,
+    and the (sample, token) pairs ``min_tokens`` and the bad words forbid."""
 
     penalized: np.ndarray  # int64 samples whose requests have penalties
     count: np.ndarray  # int64 samples whose token adds to their row's counts
@@ -32,6 +33,8 @@ class Adjust:
     suppress: tuple[np.ndarray, np.ndarray] | None  # (samples, token ids) not to sample
     penalty_rows: list[tuple[int, np.ndarray, np.ndarray]]  # (row, prompt ids, output ids)
     bias_rows: list[tuple[int, np.ndarray, np.ndarray]]  # (row, token ids, biases)
+    masked: np.ndarray  # int64 samples whose rows have a fixed mask
+    mask_rows: list[tuple[int, np.ndarray | None, np.ndarray]]  # (row, allowed or None, barred)
 
 
 @dataclass(slots=True)
@@ -85,23 +88,26 @@ def prompt_args(table: Any, out: Any) -> PromptArgs | None:
 def adjust_args(table: Any, out: Any) -> Adjust | None:
     """What the planned step ``out`` changes in its logits, from the table's requests."""
     sid = out.sample_req_ids
+    sids = sid.tolist()
     penalized = np.flatnonzero(table.penalized[sid])
-    biased = np.flatnonzero([r in table.bias for r in sid.tolist()]) if table.bias else penalized[:0]
+    biased = np.flatnonzero([r in table.bias for r in sids]) if table.bias else _NONE
+    fixed = table.masks.fixed
+    masked = np.flatnonzero([r in fixed for r in sids]) if fixed else _NONE
     suppress = None
     b = np.searchsorted(out.qo_indptr, out.logits_indices, side="right") - 1  # each sample's row
+    pairs: list[tuple[int, int]] = []
     if table.suppress:
         num_out = out.seq_lens[b] - table.prompt_len[sid]  # output tokens before this sample
         early = np.flatnonzero(num_out < table.min_tokens[sid])
         pairs = [(s, t) for s in early.tolist() for t in table.suppress.get(int(sid[s]), _NONE).tolist()]
-        if pairs:
-            suppress = (
-                np.array([p[0] for p in pairs], np.int64),
-                np.array([p[1] for p in pairs], np.int64),
-            )
+    if table.masks.words:
+        pairs += table.masks.pairs(sids, out.sample_seq_indices.tolist(), table.history)
+    if pairs:
+        suppress = (np.array([p[0] for p in pairs], np.int64), np.array([p[1] for p in pairs], np.int64))
     count = penalized[:0]
     if len(penalized):  # a sample counts for its row unless it is another fork's first token
         count = penalized[out.seq_indices[b[penalized]] == out.sample_seq_indices[penalized]]
-    penalty_rows, bias_rows = [], []
+    penalty_rows, bias_rows, mask_rows = [], [], []
     for row, r, k in zip(
         out.rows_added.tolist(), out.added_req_ids.tolist(), out.added_seq_indices.tolist(), strict=True
     ):
@@ -109,9 +115,12 @@ def adjust_args(table: Any, out: Any) -> Adjust | None:
             penalty_rows.append((row, table.prompts[r], table.history(r, k).astype(np.int64)))
         if r in table.bias:
             bias_rows.append((row, *table.bias[r]))
-    if not (len(penalized) or len(biased) or suppress or penalty_rows or bias_rows):
+        if r in fixed:
+            mask_rows.append((row, *fixed[r]))
+    rows = penalty_rows or bias_rows or mask_rows
+    if not (len(penalized) or len(biased) or len(masked) or suppress or rows):
         return None
-    return Adjust(penalized, count, biased, suppress, penalty_rows, bias_rows)
+    return Adjust(penalized, count, biased, suppress, penalty_rows, bias_rows, masked, mask_rows)
 
 
 class LogitState:
@@ -123,10 +132,19 @@ class LogitState:
         self.in_prompt: torch.Tensor | None = None  # [rows, vocab] bool prompt tokens
         self.bias_ids: torch.Tensor | None = None  # [rows, W] int64, padded with token 0
         self.bias_vals: torch.Tensor | None = None  # [rows, W] float32, padded with 0
+        self.blocked: torch.Tensor | None = None  # [rows, vocab] bool: never sampled
 
     def write_rows(self, adj: Adjust, top: int) -> None:
-        """The rows the step gives penalized or biased requests get their state."""
+        """The rows the step gives penalized, biased or masked requests get their state."""
         dev, rows = self.device, max(top, self.max_rows)
+        if adj.mask_rows:
+            self.blocked = _grown(self.blocked, rows, self.vocab_size, torch.bool, dev)
+        for row, allowed, barred in adj.mask_rows:
+            assert self.blocked is not None
+            self.blocked[row] = allowed is not None
+            if allowed is not None:
+                self.blocked[row, to_device(allowed, dev)] = False
+            self.blocked[row, to_device(barred, dev)] = True
         if adj.penalty_rows:
             self.counts = _grown(self.counts, rows, self.vocab_size, torch.int32, dev)
             self.in_prompt = _grown(self.in_prompt, rows, self.vocab_size, torch.bool, dev)
@@ -151,12 +169,17 @@ class LogitState:
     def apply(
         self, logits: torch.Tensor, rows: np.ndarray, adj: Adjust, by_row: dict[str, torch.Tensor]
     ) -> torch.Tensor:
-        """The logits with ``min_tokens``, the logit biases and the penalties applied (a copy)."""
+        """The logits with the masks, ``min_tokens``, the bad words, the logit biases and the
+        penalties applied (a copy)."""
         lg, dev = logits.clone(), logits.device
 
         def on(samples: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
             return to_device(samples, dev), to_device(rows[samples].astype(np.int64), dev)
 
+        if len(adj.masked):
+            assert self.blocked is not None
+            idx, r = on(adj.masked)
+            lg.index_copy_(0, idx, lg.index_select(0, idx).masked_fill_(self.blocked[r], float("-inf")))
         if adj.suppress is not None:
             lg[to_device(adj.suppress[0], dev), to_device(adj.suppress[1], dev)] = float("-inf")
         if len(adj.biased):

@@ -3,7 +3,6 @@ from them (``SampleArgs``, taken when the step is planned)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +13,7 @@ from ferryman._core import sample_cpu
 from ferryman.outputs import Logprob
 from ferryman.sampling_params import GREEDY_BELOW
 from ferryman.worker.grammar_mask import apply_grammar as apply_grammar  # looked up here per call
+from ferryman.worker.logit_masks import History, Masks
 from ferryman.worker.logit_state import Adjust, LogitState, PromptArgs, adjust_args, prompt_args
 from ferryman.worker.sampler import Filters, gather_logprobs, sample_random
 from ferryman.worker.transfer import to_device
@@ -35,7 +35,6 @@ RANDOM_COLUMNS = ROW_COLUMNS[:5]  # what random sampling reads; the penalties ar
 FORK_SEED_STRIDE = 1000003  # fork k of a request samples with seed + k * this
 _NO_ROWS = np.zeros(0, np.int64)  # a step's rows added, or its random samples, when it has none
 _NO_FILTERS = Filters(False, False, False)
-History = Callable[[int, int], np.ndarray]  # (core id, fork) -> its output ids so far
 _Columns = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # RANDOM_COLUMNS'
 
 
@@ -93,9 +92,11 @@ class SamplingTable:
         self.num_logprobs = 0  # live requests that want logprobs
         self.num_adjusted = 0  # live requests with penalties, a logit bias or min_tokens
         self.num_prompt_lp = 0  # live requests that want prompt logprobs
-        self.guided: set[int] = set()  # live requests with structured outputs
+        # live requests whose sampling needs the step before applied (a grammar, a long bad word)
+        self.synced: set[int] = set()
         self.bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # core id -> token ids, biases
         self.suppress: dict[int, np.ndarray] = {}  # core id -> ids min_tokens holds back
+        self.masks = Masks()  # allowed_token_ids, bad words
         self.prompts: dict[int, np.ndarray] = {}  # core id -> prompt ids, for penalized requests
         self.history: History | None = None  # a sequence's output so far (the engine's core)
         self.device, self.vocab_size, self.max_rows = device, vocab_size, max_num_seqs
@@ -112,9 +113,10 @@ class SamplingTable:
         seed: int,
         prompt: list[int] | None = None,
         stop_ids: list[int] | None = None,
+        bad_words: list[list[int]] | None = None,
     ) -> None:
         """Request ``i``'s parameters (``prompt``: its ids, for the repetition penalty and
-        ``min_tokens``; ``stop_ids``: the ids ``min_tokens`` holds back, EOS included)."""
+        ``min_tokens``; ``stop_ids``: the ids it holds back, EOS included; ``bad_words``: ids)."""
         if i >= len(self.seed):
             for name in (*ROW_COLUMNS, "logprobs", "prompt_lp", "penalized", "min_tokens", "prompt_len"):
                 col = getattr(self, name)
@@ -148,25 +150,29 @@ class SamplingTable:
             ids = np.unique(np.asarray(stop_ids, np.int64))
             # an id outside the vocabulary is never sampled: nothing to hold back (and no column)
             self.suppress[i] = ids[ids < self.vocab_size] if self.vocab_size else ids
-        self.num_adjusted += p.penalized or bool(p.logit_bias) or i in self.suppress
-        if p.structured_outputs is not None:
-            self.guided.add(i)
+        if self.masks.set(i, p.allowed_token_ids, bad_words) or p.structured_outputs is not None:
+            self.synced.add(i)
+        self.num_adjusted += self._adjusted(i)
 
     def clear(self, i: int) -> None:
         self.num_random -= bool(self.temperature[i] > 0)
         self.num_logprobs -= bool(self.logprobs[i] >= 0)
-        self.num_adjusted -= bool(self.penalized[i]) or i in self.bias or i in self.suppress
+        self.num_adjusted -= self._adjusted(i)
         self.num_prompt_lp -= bool(self.prompt_lp[i] >= 0)
         self.prompt_lp[i] = -1
         self.temperature[i], self.logprobs[i], self.penalized[i] = 0.0, -1, False
         self.bias.pop(i, None)
         self.suppress.pop(i, None)
         self.prompts.pop(i, None)
-        self.guided.discard(i)
+        self.masks.clear(i)
+        self.synced.discard(i)
+
+    def _adjusted(self, i: int) -> bool:  # its logits change before sampling (``Adjust``)
+        return bool(self.penalized[i]) or any(i in d for d in (self.bias, self.suppress, self.masks))
 
     @property
-    def num_guided(self) -> int:
-        return len(self.guided)
+    def num_synced(self) -> int:
+        return len(self.synced)
 
     def args(self, out: Any) -> SampleArgs:
         """What sampling the planned step ``out`` (a ``SchedulerOutput``) needs from the table."""
@@ -190,7 +196,7 @@ class SamplingTable:
         adjust = adjust_args(self, out) if self.num_adjusted else None
         prompt = prompt_args(self, out) if self.num_prompt_lp else None
         grammar = None
-        if self.guided and len(out.grammar_sample_indices):
+        if self.synced and len(out.grammar_sample_indices):
             masks = out.grammar_masks.reshape(len(out.grammar_sample_indices), out.grammar_mask_words)
             grammar = (out.grammar_sample_indices, masks)
         rows_added = out.rows_added.astype(np.int64) if len(ids) else _NO_ROWS

@@ -60,7 +60,7 @@ class Sampling:
 
 def run_ferryman(
     model: str, work: list[tuple[list[int], int]], sampling: Sampling = Sampling(), **engine_kw: Any
-) -> dict[str, float]:
+) -> dict[str, Any]:
     from ferryman.engine import Engine
 
     engine = Engine(model, **engine_kw)
@@ -85,6 +85,7 @@ def run_ferryman(
         "preemptions_recompute": st["num_preemptions_recompute"],
         "preemptions_swap": st["num_preemptions_swap"],
         "peak_blocks_used": engine.peak_blocks_used,
+        "async_scheduling": engine.scheduler.config.async_scheduling,
     }
 
 

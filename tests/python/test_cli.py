@@ -403,9 +403,12 @@ def test_bad_files_and_values_are_said_without_a_traceback(
     assert main([*sim, "--gpu-memory-utilization", "1e-9", "--trace", str(trace)]) == 2
     assert "leaves no KV memory" in capsys.readouterr().err and not trace.exists()  # no empty trace left
     kept = tmp_path / "kept.jsonl"
-    kept.write_text("")  # a file that was there before the run is the user's: left as it is
+    kept.write_text('{"type": "step"}\n')  # a file that was there is the user's: left as it is
     assert main([*sim, "--gpu-memory-utilization", "1e-9", "--trace", str(kept)]) == 2
-    assert kept.exists() and "leaves no KV memory" in capsys.readouterr().err
+    assert kept.read_text() == '{"type": "step"}\n' and "leaves no KV memory" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")] == []
+    assert main([*sim, "--trace", str(tmp_path / "no" / "dir" / "t.jsonl")]) == 1
+    assert "--trace " in capsys.readouterr().err
     for argv, said in ((["--bogus"], "unrecognized arguments: --bogus"), ([], "a command is required")):
         with pytest.raises(SystemExit) as e:
             main(argv)
@@ -466,7 +469,13 @@ def test_bad_files_and_values_are_said_without_a_traceback(
         assert said in capsys.readouterr().err
     assert main(["bench", "serve", "--no-progress", "--base-url", "http://127.0.0.1:1"]) == 1
     assert "no server answers at http://127.0.0.1:1" in capsys.readouterr().err
-    bench = ((["--num-prompts", "0"], "--num-prompts must be >= 1"), (["--output-len", "9:3"], "LO <= HI"))
+    bench = (
+        (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+        (["--output-len", "9:3"], "LO <= HI"),
+        # the pool's size was silently the fraction's; --vs-sync compared off with off
+        (["--pool-fraction", "0.5", "--num-device-blocks", "9"], "give it or --num-device-blocks, not both"),
+        (["--vs-sync", "--no-async-scheduling"], "drop --no-async-scheduling"),
+    )
     for flags, said in bench:
         assert main(["bench", "throughput", "--no-hf", *flags]) == 2
         assert said in capsys.readouterr().err

@@ -271,6 +271,10 @@ def test_bench_throughput_smoke(models: dict[str, Path], capsys: pytest.CaptureF
     with pytest.raises(SystemExit):  # argparse: "--repeats: must be >= 1"
         main([*args, "--repeats", "0"])
     assert strict["pool_basis"] == "peak" and "transformers" not in strict
+    assert main([*args[:4], "--num-prompts", "2", *args[6:12], "--no-hf", "--vs-sync", "--json"]) == 0
+    vs = json.loads(capsys.readouterr().out)  # on against off, where the CPU's default is off
+    assert vs["ferryman"]["async_scheduling"] and not vs["ferryman_sync"]["async_scheduling"]
+    assert vs["ferryman"]["output_tokens"] == vs["ferryman_sync"]["output_tokens"]
     peak = strict["ferryman_ample"]["peak_blocks_used"]
     assert peak // 2 <= strict["ferryman"]["num_device_blocks"] <= ours["num_device_blocks"]
     assert main([*args[:4], "--num-prompts", "2", *args[6:12], "--dtype", "bfloat16", "--json"]) == 0

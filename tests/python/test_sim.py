@@ -240,3 +240,31 @@ def test_sim_sizes_llama_3_70b_over_ranks() -> None:
     assert r[(8, "nvlink")]["num_device_blocks"] > r[(4, "nvlink")]["num_device_blocks"] > 0
     assert r[(4, "pcie")]["comm_share"] > r[(4, "nvlink")]["comm_share"] > 0
     assert r[(8, "nvlink")]["tpot_p50_ms"] < r[(4, "nvlink")]["tpot_p50_ms"]
+
+
+def test_priorities_reach_the_sim_from_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every request had priority 0 from the CLI, so --policy priority could change nothing: now
+    --interactive-every and a workload's "priority" field give them."""
+    from ferryman.cli import main
+
+    tight = ["sim", "--gpu", "l4", "--model-shape", "mistral-7b", "--num-device-blocks", "300", "--json"]
+    synthetic = [*tight, "--num-requests", "120", "--rate", "inf", "--interactive-every", "4"]
+    reports = []
+    for policy in ("fcfs", "priority"):
+        assert main([*synthetic, "--policy", policy]) == 0
+        reports.append(json.loads(capsys.readouterr().out))
+    assert "ttft_p99_ms_priority_0" in reports[1] and "ttft_p99_ms_priority_1" in reports[1]
+    fcfs, prio = reports
+    assert prio["ttft_p99_ms_priority_0"] < fcfs["ttft_p99_ms_priority_0"]  # class 0 goes first
+    rows = [{"prompt_len": 300, "output_len": 200, "priority": i % 3 == 0} for i in range(3)]
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps(rows))
+    assert main([*tight, "--workload", str(path)]) == 2  # true is not an integer
+    assert "priority must be an integer" in capsys.readouterr().err
+    rows = [{"prompt_len": 300, "output_len": 200, **({"priority": 1} if i % 2 else {})} for i in range(90)]
+    path.write_text(json.dumps(rows))
+    assert main([*tight, "--workload", str(path), "--policy", "priority"]) == 0
+    report = json.loads(capsys.readouterr().out)  # an absent priority is 0
+    assert "ttft_p99_ms_priority_0" in report and "ttft_p99_ms_priority_1" in report
+    assert main([*tight, "--workload", str(path), "--interactive-every", "2"]) == 2
+    assert "--interactive-every shapes synthetic requests" in capsys.readouterr().err

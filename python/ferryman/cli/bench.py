@@ -97,6 +97,10 @@ def run_throughput(a: argparse.Namespace) -> int:
 
     if a.num_prompts < 1 or (a.pool_fraction is not None and not 0 < a.pool_fraction <= 1):
         raise ValueError("--num-prompts must be >= 1 and --pool-fraction in (0, 1]")
+    if a.pool_fraction is not None and a.num_device_blocks is not None:
+        raise ValueError("--pool-fraction sizes the pool itself: give it or --num-device-blocks, not both")
+    if a.vs_sync and a.async_scheduling is False:
+        raise ValueError("--vs-sync runs with async scheduling on and off: drop --no-async-scheduling")
     work = bench.workload(a.token_range, a.num_prompts, a.input_len, a.output_len, a.seed)
     demand = bench.demand_blocks(work)
     sampling = bench.Sampling(a.temperature, a.top_p, a.top_k)
@@ -106,7 +110,8 @@ def run_throughput(a: argparse.Namespace) -> int:
         "preemption_mode": a.preemption_mode,
         "max_num_batched_tokens": a.max_num_batched_tokens,
         "max_model_len": max(len(p) + m for p, m in work),
-        "async_scheduling": a.async_scheduling,
+        # --vs-sync compares on with off: on, where the default (off on the CPU) would compare off with off
+        "async_scheduling": True if a.vs_sync else a.async_scheduling,
         "dtype": a.dtype,
     }
     report: dict[str, object] = {

@@ -39,6 +39,13 @@ def register(sub: Any) -> None:
     )
     w.add_argument("--output-len", default="uniform:64:512")
     w.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with")
+    w.add_argument(
+        "--interactive-every",
+        type=int,
+        default=0,
+        metavar="K",
+        help="every K-th request gets priority 0 and the rest 1, for --policy priority (default: 0, all 0)",
+    )
     w.add_argument("--workload", default=None, help="a JSON trace instead of synthetic requests")
     w.add_argument("--seed", type=int, default=0)
     add_cli_args(
@@ -83,6 +90,8 @@ def _pairs(items: list[str]) -> dict[str, Any]:
 def run(a: argparse.Namespace) -> int:
     g = gpu(a.gpu, **_pairs(a.gpu_set))
     shape = model_shape(a.model_shape, **_pairs(a.shape_set))
+    if a.workload and a.interactive_every:
+        raise ValueError("--interactive-every shapes synthetic requests: a --workload row gives its priority")
     if a.workload:
         work = from_json(a.workload, vocab=shape.vocab_size, seed=a.seed)
     else:
@@ -94,6 +103,7 @@ def run(a: argparse.Namespace) -> int:
             arrival=a.arrival,
             burst_size=a.burst_size,
             shared_prefix=a.shared_prefix,
+            interactive_every=a.interactive_every,
             vocab=shape.vocab_size,
             seed=a.seed,
         )
@@ -114,17 +124,26 @@ def run(a: argparse.Namespace) -> int:
         if a.plot:
             print(plot(rows, knob, a.plot, f"{g.name}, {shape.name}: sweep of {knob}"))
         return 0
-    new_file = bool(a.trace) and not os.path.exists(a.trace)
-    trace = TraceWriter(a.trace) if a.trace else None
+    # written beside the path and moved there once the run has stepped: a run refused before its
+    # first step leaves the path as it was (a file there is the user's, an earlier trace maybe)
+    trace, tmp = None, ""
+    if a.trace:
+        head, name = os.path.split(os.path.abspath(a.trace))
+        tmp = os.path.join(head, f".{name}.{os.getpid()}.partial")
+        try:
+            trace = TraceWriter(tmp)
+        except OSError as e:
+            raise OSError(e.errno, f"--trace {a.trace}: {e.strerror}") from None
+    done = False
     try:
         report = simulate(g, shape, work, cfg, trace)
-    except BaseException:
-        if trace is not None:  # a run refused before its first step leaves no empty file it made
+        done = True
+    finally:
+        if trace is not None:
             trace.close()
-            if new_file and os.path.isfile(a.trace) and os.path.getsize(a.trace) == 0:
-                os.unlink(a.trace)
-        raise
-    if trace is not None:
-        trace.close()
+            if done or os.path.getsize(tmp):
+                os.replace(tmp, a.trace)
+            else:
+                os.unlink(tmp)
     print_report(report, a.json)
     return 0

@@ -4,7 +4,8 @@ workload exactly.
 
 Length distributions are written ``fixed:N``, ``uniform:LO:HI`` or ``lognormal:MEDIAN:SIGMA``
 (clipped to at least 1). A JSON trace is a list of ``{"arrival_s", "prompt_len", "output_len"}``
-objects (``arrival_s`` defaults to 0; ``prompt_tokens`` may replace ``prompt_len``).
+objects (``arrival_s`` defaults to 0; ``prompt_tokens`` may replace ``prompt_len``; ``priority``, an
+integer, lower first, defaults to 0 and matters under the ``priority`` policy).
 """
 
 from __future__ import annotations
@@ -78,8 +79,8 @@ def synthetic(
     per second (the same mean rate). ``shared_prefix`` tokens (a system prompt) precede each
     prompt's own ``prompt_len`` tokens. ``interactive_every=k`` gives every k-th request priority 0
     and the rest priority 1 (for the ``priority`` victim policy)."""
-    if num_requests < 1:
-        raise ValueError("num_requests must be >= 1")
+    if num_requests < 1 or interactive_every < 0:
+        raise ValueError("num_requests must be >= 1 and interactive_every >= 0")
     rng = np.random.default_rng(seed)
     if shared_prefix < 0:
         raise ValueError(f"shared_prefix must be >= 0, got {shared_prefix}")
@@ -143,6 +144,12 @@ def from_json(path: str | Path, *, vocab: int = 32000, seed: int = 0) -> Workloa
         ids = r.get("prompt_tokens")
         if isinstance(ids, list) and "prompt_len" in r and len(ids) != p[i]:
             raise ValueError(f"{path}: request {i}'s prompt_len {p[i]} is not its {len(ids)} prompt_tokens")
+    prio = None
+    if any("priority" in r for r in rows):
+        prio = np.array([r.get("priority", 0) for r in rows], dtype=object)
+        if not all(type(v) is int and -(1 << 31) <= v < 1 << 31 for v in prio):
+            raise ValueError(f"{path}: priority must be an integer in [-2**31, 2**31)")
+        prio = prio.astype(np.int64)
     bad = next((i for i, r in enumerate(rows) if not _token_ids(r.get("prompt_tokens", []))), None)
     if bad is not None:
         raise ValueError(f"{path}: request {bad}'s prompt_tokens are not token ids (integers in [0, 2**31))")
@@ -156,5 +163,9 @@ def from_json(path: str | Path, *, vocab: int = 32000, seed: int = 0) -> Workloa
     ]
     drawn = _prompts(p[order], rng, vocab, 0)
     return Workload(
-        t[order], p[order], o[order], [a if a is not None else b for a, b in zip(prompts, drawn, strict=True)]
+        t[order],
+        p[order],
+        o[order],
+        [a if a is not None else b for a, b in zip(prompts, drawn, strict=True)],
+        None if prio is None else prio[order],
     )

@@ -41,7 +41,8 @@ pub struct GrammarSpec {
 /// `schema` and every schema under it (vLLM's default, xgrammar's strict mode, and what OpenAI's
 /// `strict: true` asks); `"additionalProperties": true` keeps an object open. The members of an
 /// `allOf` are left as written (closing each would refuse the properties of the others), and a
-/// schema whose `anyOf` / `oneOf` / `allOf` members name properties stays open with them.
+/// schema that names properties beside `anyOf` / `oneOf` / `allOf` members naming more stays
+/// open with them (each side would refuse the other's); the objects under all of them close.
 fn close_objects(schema: &mut Value) {
     close(schema, true)
 }
@@ -54,16 +55,20 @@ fn close(schema: &mut Value, here: bool) {
     let combined = ["anyOf", "oneOf", "allOf"]
         .iter()
         .any(|k| m.get(*k).and_then(Value::as_array).is_some_and(|l| l.iter().any(|s| s.get("properties").is_some())));
-    if here && m.contains_key("properties") && !combined && !open.iter().any(|k| m.contains_key(*k)) {
+    let named = m.contains_key("properties");
+    if here && named && !combined && !open.iter().any(|k| m.contains_key(*k)) {
         m.insert("additionalProperties".into(), Value::Bool(false));
     }
+    // a union's members close unless the schema adds properties of its own to theirs
+    let mixed = combined && named;
     for (keyword, sub) in m.iter_mut() {
         match (keyword.as_str(), sub) {
             (
                 "properties" | "patternProperties" | "$defs" | "definitions" | "dependentSchemas",
                 Value::Object(named),
             ) => named.values_mut().for_each(close_objects),
-            ("anyOf" | "oneOf", Value::Array(list)) => list.iter_mut().for_each(|s| close(s, !combined)),
+            ("anyOf" | "oneOf", Value::Array(list)) => list.iter_mut().for_each(|s| close(s, !mixed)),
+            ("allOf", Value::Array(list)) => list.iter_mut().for_each(|s| close(s, false)),
             ("prefixItems" | "items", Value::Array(list)) => list.iter_mut().for_each(close_objects),
             (
                 "items" | "additionalProperties" | "additionalItems" | "not" | "if" | "then" | "else" | "contains",
@@ -302,6 +307,16 @@ mod tests {
         let mixed =
             r#"{"properties": {"a": {"type": "integer"}}, "anyOf": [{"properties": {"b": {"type": "integer"}}}]}"#;
         assert!(accepts(mixed, r#"{"a":1,"b":2}"#), "b is named by a member");
+        // a union of objects (nothing named beside it): each member closes; and the objects
+        // under an allOf member close, the member itself staying as written
+        let union = r#"{"anyOf": [{"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+            {"properties": {"b": {"type": "boolean"}}, "required": ["b"]}]}"#;
+        assert!(accepts(union, r#"{"a":1}"#) && accepts(union, r#"{"b":true}"#));
+        assert!(!accepts(union, r#"{"a":1,"c":3}"#), "c is named by no member");
+        let all = r#"{"allOf": [{"properties": {"inner": {"properties": {"x": {"type": "integer"}}}}},
+            {"properties": {"y": {"type": "integer"}}}]}"#;
+        assert!(accepts(all, r#"{"inner":{"x":1},"y":2}"#), "members stay open to each other");
+        assert!(!accepts(all, r#"{"inner":{"x":1,"z":2}}"#), "inner is closed");
     }
 
     #[test]

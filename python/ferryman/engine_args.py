@@ -147,9 +147,7 @@ class SchedulerArgs:
 class EngineArgs(SchedulerArgs):
     """Every knob of ``Engine``: the scheduler's plus the model, device and runner's."""
 
-    model: str = knob(
-        DEFAULT_MODEL, "'smollm2' (the embedded default), a .gguf file or a Hugging Face folder"
-    )
+    model: str = knob(DEFAULT_MODEL, "'smollm2' (the embedded default), a .gguf file or a Hugging Face dir")
     dtype: str = knob(
         "auto",
         "weights and KV dtype ('auto': bfloat16 on CUDA, float32 on CPU; vLLM's 'half', 'float' too)",
@@ -174,8 +172,7 @@ class EngineArgs(SchedulerArgs):
     )
     tensor_parallel_size: int = knob(
         1,
-        "processes one model is split over (tensor parallelism: gloo on CPU; NCCL with one GPU per "
-        "rank, not yet run)",
+        "ranks one model is split over (tensor parallelism: gloo on CPU, NCCL on CUDA, not yet run)",
         check=at_least(1),
     )
     distributed_executor_backend: str = knob(
@@ -200,6 +197,9 @@ class EngineArgs(SchedulerArgs):
         None, "None, or 'gguf' for a .gguf model (dequantized to dtype on load)", choices=("gguf",)
     )
     kv_cache_dtype: str = knob("auto", "'auto': the KV cache takes the model's dtype", choices=("auto",))
+    generation_config: str = knob(
+        "auto", "sampling defaults: 'auto' (the model's generation_config.json), 'vllm' (none) or a folder"
+    )
 
 
 @functools.cache

@@ -94,6 +94,7 @@ def build_parts(args: EngineArgs) -> EngineParts:
     make_current(device)  # after the check: torch's error for a missing GPU names no knob
     dtype = resolve_dtype(args.dtype, device)
     path = resolve_model_path(args.model, args.load_format != "dummy", args.revision, args.download_dir)
+    defaults = generation_defaults(path, args.generation_config)  # a mistyped folder: before loading
     if args.quantization == "gguf" and not is_gguf(path):
         raise InvalidRequestError(f"quantization='gguf' needs a .gguf model; {args.model!r} is not one")
     n = args.tensor_parallel_size
@@ -194,7 +195,7 @@ def build_parts(args: EngineArgs) -> EngineParts:
         scheduler,
         calibration,
         calibration_s,
-        generation_defaults(path) if path.is_dir() else {},
+        defaults,
     )
 
 

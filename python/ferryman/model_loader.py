@@ -213,12 +213,15 @@ def _tokenizer(root: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(root))
 
 
-def generation_defaults(path: Path) -> dict[str, Any]:
-    """The sampling defaults of a folder's ``generation_config.json`` under ``SamplingParams``
-    names (``max_new_tokens`` becomes ``max_tokens``), as vLLM's ``generation_config="auto"``
-    reads them; only the keys the file sets. Empty for a GGUF file or a folder without one."""
-    file = path / "generation_config.json"
-    if not file.is_file():
+def generation_defaults(path: Path, choice: str = "auto") -> dict[str, Any]:
+    """The sampling defaults of a ``generation_config.json`` under ``SamplingParams`` names
+    (``max_new_tokens`` becomes ``max_tokens``), only the keys the file sets, as vLLM's knob
+    ``generation_config`` reads them: ``choice`` 'auto' takes the model's at ``path`` (none for a
+    GGUF file), 'vllm' none, anything else names a folder holding one."""
+    if choice not in ("auto", "vllm") and not Path(choice).is_dir():
+        raise ModelLoadError(f"generation_config {choice!r}: expected 'auto', 'vllm' or a folder")
+    file = (path if choice == "auto" else Path(choice)) / "generation_config.json"
+    if choice == "vllm" or not file.is_file():
         return {}
     given = json.loads(file.read_text())
     names = {k: k for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}

@@ -447,6 +447,16 @@ def test_generation_config_gives_the_default_sampling_params(tmp_path: Path) -> 
     big = Engine(str(path), num_device_blocks=64, calibrate=False, max_model_len=8)
     assert [len(o.outputs[0].token_ids) for o in big.generate(prompts)] == [4, 5]  # the room left wins
     assert got == [o.outputs[0].token_ids for o in want]
+    # vLLM's knob: 'vllm' reads none, a folder its own file, a folder that is not one is refused
+    kw: dict[str, Any] = {"num_device_blocks": 32, "calibrate": False}
+    assert Engine(str(path), **kw, generation_config="vllm").generation_defaults == {}
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"top_k": 3}))
+    elsewhere = Engine(str(path), **kw, generation_config=str(other))
+    assert elsewhere.generation_defaults == {"top_k": 3}
+    with pytest.raises(ModelLoadError, match="generation_config 'nowhere': expected 'auto', 'vllm' or a "):
+        Engine(str(path), **kw, generation_config="nowhere")
 
 
 def test_a_hub_id_loads_from_the_hub_cache_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

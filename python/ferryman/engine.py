@@ -19,7 +19,6 @@ leave the engine dead (``EngineDeadError``). ``generate`` / ``chat``: ``engine_o
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import random
 import time
@@ -27,9 +26,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
-
-from ferryman._core import InvalidRequestError, RequestParams, Scheduler
+from ferryman._core import InvalidRequestError, RequestParams
 from ferryman.engine_args import DEFAULT_MODEL, EngineArgs
 from ferryman.engine_faults import MAX_STEP_FAILURES, EngineDeadError, FaultsMixin
 from ferryman.engine_offline import OfflineMixin, Prompt
@@ -38,17 +35,12 @@ from ferryman.output_processor import OutputProcessor, RequestState
 from ferryman.outputs import PreemptionEvent, RequestMetrics, RequestOutput, StepResult, StepStats
 from ferryman.sampling_params import SamplingParams
 from ferryman.tokenizer import prompt_ids
+from ferryman.worker.logit_masks import output_history, request_masks
 from ferryman.worker.sampling_table import SamplingTable
 from ferryman.worker.step_worker import InFlight as _InFlight
 from ferryman.worker.step_worker import Sampled, StepWorker, parse_fault_steps
 
 __all__ = ["MAX_STEP_FAILURES", "Engine", "EngineDeadError", "Prompt"]
-
-
-def _output_history(scheduler: Scheduler, core_id: int, seq_index: int) -> np.ndarray:
-    """A live sequence's output ids so far (the sampler's penalties count them)."""
-    out = scheduler.output_token_ids(core_id, seq_index)
-    return np.zeros(0, np.int32) if out is None else out
 
 
 class Engine(FaultsMixin, OfflineMixin):
@@ -72,7 +64,7 @@ class Engine(FaultsMixin, OfflineMixin):
         self._outputs = OutputProcessor(self.eos_token_ids[:1], self.tokenizer)  # the primary EOS (vLLM's)
         self._sampling = SamplingTable(args.max_num_seqs, self.device, mc.vocab_size)
         # of the scheduler alone: a bound method made a cycle that kept dropped engines alive
-        self._sampling.history = functools.partial(_output_history, self.scheduler)
+        self._sampling.history = output_history(self.scheduler)
         self._core_ids: dict[str, int] = {}
         self._free_ids: list[int] = []  # core ids to reuse: they index the sampling table
         self._next_id = 0
@@ -124,7 +116,7 @@ class Engine(FaultsMixin, OfflineMixin):
         text, ids = self.tokenize(prompt, prompt_token_ids)
         ids = params.truncated(ids, self.max_model_len)
         params.check_engine(vocab := self.model.cfg.vocab_size, self.args.max_logprobs, self.args.policy)
-        bad_words = params.bad_words_token_ids(self.tokenizer.encode, vocab) if params.bad_words else None
+        bad_words = request_masks(params, self.tokenizer, vocab, self.eos_token_ids)
         cap = self.generation_defaults.get("max_tokens") or 1 << 62
         room = min(max(1, self.max_model_len - len(ids)), cap)
         max_tokens = params.max_tokens if params.max_tokens is not None else room  # open: to the model's cap
@@ -216,7 +208,7 @@ class Engine(FaultsMixin, OfflineMixin):
 
     def _step(self) -> StepResult:
         # a grammar's mask, or a long bad word, needs the step before applied: no overlap then
-        guided = self._sampling.num_synced > 0
+        guided = bool(self._sampling.synced)
         if not self._worker.overlap or (guided and self._inflight is None):
             plan = self._plan()
             try:

@@ -21,6 +21,8 @@ T = TypeVar("T")
 MAX_STEP_FAILURES = 3  # failed steps within FAILURE_WINDOW_S that mark the engine dead
 FAILURE_WINDOW_S = 60.0
 NON_FINITE = "the model's logits for this request are not finite (NaN or inf); the request failed"
+# the request's own masks forbade every token (the client's doing: 400 from the server)
+NO_TOKEN = "no token is left to sample: allowed_token_ids, bad_words, min_tokens and the grammar forbid all"
 
 
 class EngineDeadError(RuntimeError):
@@ -123,14 +125,19 @@ class FaultsMixin:
         self, plan: Any, sampled: Any, ids: np.ndarray
     ) -> tuple[list[RequestOutput], np.ndarray]:
         """Fails the requests of the step's samples whose logits were not finite (id -1; on the
-        CPU the sampler said whether any is, so the ids are not read when none is), and the ids
-        with theirs 0: their requests are aborted, so ``update()`` drops those samples."""
+        CPU the sampler said whether any is, so the ids are not read when none is) or whose own
+        masks forbade every token (-2), and the ids with theirs 0: their requests are aborted, so
+        ``update()`` drops those samples."""
         if sampled.any_bad is False:
             return [], ids
         bad = ids < 0
         if not bad.any():
             return [], ids
-        return self._fail(plan.sample_req_ids[bad].tolist(), NON_FINITE), np.where(bad, 0, ids)
+        sid = plan.sample_req_ids
+        failed = self._fail(sid[ids == -1].tolist(), NON_FINITE) + self._fail(
+            sid[ids == -2].tolist(), NO_TOKEN
+        )
+        return failed, np.where(bad, 0, ids)
 
     def _fail(self, core_ids: Sequence[int], message: str) -> list[RequestOutput]:
         """Fails these live requests (every sequence of each): their final outputs, with

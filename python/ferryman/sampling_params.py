@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import json
 import operator
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from numbers import Real
 from typing import Any
@@ -152,7 +151,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # vLLM's: only these token ids may be sampled
     allowed_token_ids: list[int] | None = None
-    # vLLM's: words never sampled (``bad_words_token_ids``): a word's last token is barred
+    # vLLM's: words never sampled (``worker/logit_masks.py``): a word's last token is barred
     # wherever the output so far ends with its other tokens
     bad_words: list[str] | None = None
     min_tokens: int = 0
@@ -274,25 +273,6 @@ class SamplingParams:
         c.bad_words = None if self.bad_words is None else list(self.bad_words)
         c.structured_outputs = copy.deepcopy(self.structured_outputs)
         return c
-
-    def bad_words_token_ids(self, encode: Callable[..., list[int]], vocab_size: int) -> list[list[int]]:
-        """vLLM's: the ids of each bad word as written (leading spaces dropped), and after a space
-        when that spells it with as many tokens and another first one (a word inside the text),
-        by ``encode`` (a tokenizer's, without special tokens); ``InvalidRequestError`` if an id
-        is outside the model's vocabulary."""
-        out: list[list[int]] = []
-        for word in self.bad_words or ():
-            plain = encode(word.lstrip(), add_special_tokens=False)
-            if not plain:
-                continue
-            out.append(plain)
-            spaced = encode(" " + word.lstrip(), add_special_tokens=False)
-            if len(spaced) == len(plain) and spaced[0] != plain[0]:
-                out.append(spaced)
-        bad = next((t for ids in out for t in ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(f"bad_words: token id {bad} out of range [0, {vocab_size})")
-        return out
 
     @property
     def penalized(self) -> bool:

@@ -17,6 +17,7 @@ from tiny_models import build
 from ferryman._core import InvalidRequestError
 from ferryman.engine import Engine
 from ferryman.sampling_params import SamplingParams
+from ferryman.worker.logit_masks import bad_words_token_ids
 
 PROMPTS = [[5, 9, 5, 9, 5], [17, 3, 3, 3, 8, 1], [40, 41], [7, 7, 7, 7, 7, 7, 7]]
 
@@ -171,11 +172,11 @@ def test_bad_words_are_tokenized_as_vllm_does() -> None:
     first one (a word inside the text); a longer spelling after a space is not added."""
     vocab = {"hello": [5], " hello": [9], "new york": [1, 2], " new york": [3, 2], "cat": [7], " cat": [7]}
     vocab |= {"big cat": [7, 8], " big cat": [4, 7, 8]}
-    p = SamplingParams(bad_words=["  hello", "new york", "cat", "big cat"])
-    got = p.bad_words_token_ids(lambda text, add_special_tokens: vocab[text], 10)
+    words = ["  hello", "new york", "cat", "big cat"]
+    got = bad_words_token_ids(words, lambda text, add_special_tokens: vocab[text], 10)
     assert got == [[5], [9], [1, 2], [3, 2], [7], [7, 8]]
     with pytest.raises(InvalidRequestError, match="bad_words: token id 9 out of range"):
-        p.bad_words_token_ids(lambda text, add_special_tokens: vocab[text], 9)
+        bad_words_token_ids(words, lambda text, add_special_tokens: vocab[text], 9)
 
 
 @pytest.mark.parametrize(
@@ -269,6 +270,19 @@ def test_the_server_takes_the_fields(tmp_path: Path) -> None:
             s.url + "/v1/completions", json={**body, "allowed_token_ids": [65, 66], "bad_words": ["b"]}
         )
         assert r.json()["choices"][0]["text"] == "c" * 8  # token 65 is "b", 66 "c"
+        # masks that leave nothing are the client's doing: refused up front, or the request fails
+        # with a 400 once a step finds nothing (two-token words barring the second token)
+        r = httpx.post(
+            s.url + "/v1/completions", json={**body, "allowed_token_ids": [65], "bad_words": ["b"]}
+        )
+        assert r.status_code == 400 and "all are one-token bad words" in r.json()["error"]["message"], r.text
+        stuck = {**body, "allowed_token_ids": [65, 66], "bad_words": ["bb", "bc", "cb", "cc"]}
+        r = httpx.post(s.url + "/v1/completions", json=stuck)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+        assert "no token is left to sample" in r.json()["error"]["message"]
+        with httpx.stream("POST", s.url + "/v1/completions", json={**stuck, "stream": True}) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert "invalid_request_error" in events[-2] and events[-1] == "data: [DONE]", events
         for bad in ({"logit_bias": {"x": 1}}, {"frequency_penalty": 3}, {"logit_bias": {"999": 1}}):
             r = httpx.post(s.url + "/v1/completions", json={**body, **bad})
             assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text

@@ -55,6 +55,6 @@ async def run_collect(request: Request, work: Awaitable[T], streams: list[AsyncI
     except EngineDeadError as e:
         raise ApiError(503, str(e), "server_error") from None
     except RequestFailedError as e:
-        raise ApiError(500, str(e), "server_error") from None
+        raise ApiError(e.status, str(e), e.type) from None
     finally:
         await close(streams)

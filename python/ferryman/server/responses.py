@@ -263,5 +263,5 @@ async def sse_events(
     except EngineDeadError as e:
         yield sse(ApiError(503, str(e), "server_error").body)
     except RequestFailedError as e:
-        yield sse(ApiError(500, str(e), "server_error").body)
+        yield sse(ApiError(e.status, str(e), e.type).body)
     yield "data: [DONE]\n\n"

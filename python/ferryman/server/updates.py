@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferryman.engine import EngineDeadError
+from ferryman.engine_faults import NO_TOKEN
 from ferryman.outputs import Logprob, RequestOutput
 
 __all__ = [
@@ -83,8 +84,13 @@ def update_of(ro: RequestOutput, s: Stream) -> Update:
 
 
 class RequestFailedError(RuntimeError):
-    """The engine failed this request (its logits were not finite, or its step raised); other
-    requests go on."""
+    """The engine failed this request (its logits were not finite, or its step raised: a server
+    error; or its own masks forbade every token: the client's); other requests go on."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        client = message == NO_TOKEN
+        self.status, self.type = (400, "invalid_request_error") if client else (500, "server_error")
 
 
 class DrainingError(RuntimeError):

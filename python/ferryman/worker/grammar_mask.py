@@ -16,12 +16,12 @@ def apply_grammar(
     logits: torch.Tensor, samples: np.ndarray, masks: np.ndarray, fallback: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``logits`` with -inf added where a grammar forbids the token: row ``samples[i]`` takes
-    bitmask ``masks[i]`` (bit ``t % 32`` of word ``t // 32`` for token t; tokens past the mask
-    are forbidden). Added, not written: a NaN or +inf logit stays non-finite, so the fault check
-    still sees it. A row left with no token (``min_tokens`` holding back the only one the grammar
-    allows: its end) takes the mask over ``fallback`` (the logits before the adjustments) instead:
-    the grammar wins. A new tensor (logprobs mask the raw logits apart, without the adjustments);
-    no wait for the device."""
+    bitmask ``masks[i]`` (bit ``t % 32`` of word ``t // 32`` for token t; tokens past the mask are
+    forbidden). Added, not written: a NaN or +inf logit stays non-finite, so the fault check still
+    sees it. A row left with no token (``min_tokens`` holding back the only one the grammar allows:
+    its end) takes the mask over ``fallback`` (the logits with only what its request forbids
+    outright) instead: the grammar wins over ``min_tokens``. A new tensor (logprobs mask the raw
+    logits apart, without the adjustments); no wait for the device."""
     dev = logits.device
     bias = grammar_bias(masks, logits.shape[1], dev).to(logits.dtype)
     rows = to_device(samples.astype(np.int64), dev)

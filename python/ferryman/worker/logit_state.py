@@ -30,11 +30,12 @@ class Adjust:
     penalized: np.ndarray  # int64 samples whose requests have penalties
     count: np.ndarray  # int64 samples whose token adds to their row's counts
     biased: np.ndarray  # int64 samples with a logit bias
-    suppress: tuple[np.ndarray, np.ndarray] | None  # (samples, token ids) not to sample
+    suppress: tuple[np.ndarray, np.ndarray] | None  # (samples, token ids) min_tokens holds back
     penalty_rows: list[tuple[int, np.ndarray, np.ndarray]]  # (row, prompt ids, output ids)
     bias_rows: list[tuple[int, np.ndarray, np.ndarray]]  # (row, token ids, biases)
     masked: np.ndarray  # int64 samples whose rows have a fixed mask
     mask_rows: list[tuple[int, np.ndarray | None, np.ndarray]]  # (row, allowed or None, barred)
+    barred: tuple[np.ndarray, np.ndarray] | None  # (samples, token ids) the bad words forbid
 
 
 @dataclass(slots=True)
@@ -93,17 +94,16 @@ def adjust_args(table: Any, out: Any) -> Adjust | None:
     biased = np.flatnonzero([r in table.bias for r in sids]) if table.bias else _NONE
     fixed = table.masks.fixed
     masked = np.flatnonzero([r in fixed for r in sids]) if fixed else _NONE
-    suppress = None
+    suppress = barred = None
     b = np.searchsorted(out.qo_indptr, out.logits_indices, side="right") - 1  # each sample's row
-    pairs: list[tuple[int, int]] = []
     if table.suppress:
         num_out = out.seq_lens[b] - table.prompt_len[sid]  # output tokens before this sample
         early = np.flatnonzero(num_out < table.min_tokens[sid])
-        pairs = [(s, t) for s in early.tolist() for t in table.suppress.get(int(sid[s]), _NONE).tolist()]
+        suppress = _pairs(
+            [(s, t) for s in early.tolist() for t in table.suppress.get(sids[s], _NONE).tolist()]
+        )
     if table.masks.words:
-        pairs += table.masks.pairs(sids, out.sample_seq_indices.tolist(), table.history)
-    if pairs:
-        suppress = (np.array([p[0] for p in pairs], np.int64), np.array([p[1] for p in pairs], np.int64))
+        barred = _pairs(table.masks.pairs(sids, out.sample_seq_indices.tolist(), table.history))
     count = penalized[:0]
     if len(penalized):  # a sample counts for its row unless it is another fork's first token
         count = penalized[out.seq_indices[b[penalized]] == out.sample_seq_indices[penalized]]
@@ -118,9 +118,16 @@ def adjust_args(table: Any, out: Any) -> Adjust | None:
         if r in fixed:
             mask_rows.append((row, *fixed[r]))
     rows = penalty_rows or bias_rows or mask_rows
-    if not (len(penalized) or len(biased) or len(masked) or suppress or rows):
+    if not (len(penalized) or len(biased) or len(masked) or suppress or barred or rows):
         return None
-    return Adjust(penalized, count, biased, suppress, penalty_rows, bias_rows, masked, mask_rows)
+    return Adjust(penalized, count, biased, suppress, penalty_rows, bias_rows, masked, mask_rows, barred)
+
+
+def _pairs(pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray] | None:
+    """(samples, token ids) of (sample, token) pairs; None for none."""
+    if not pairs:
+        return None
+    return np.array([p[0] for p in pairs], np.int64), np.array([p[1] for p in pairs], np.int64)
 
 
 class LogitState:
@@ -166,20 +173,29 @@ class LogitState:
             self.bias_ids[row, : len(ids)] = to_device(ids, dev)
             self.bias_vals[row, : len(vals)] = to_device(vals, dev)
 
+    def masked(self, logits: torch.Tensor, rows: np.ndarray, adj: Adjust) -> torch.Tensor:
+        """The logits with only what the requests forbid outright (``allowed_token_ids``, bad
+        words) at -inf (a copy): what a grammar falls back to when ``min_tokens`` leaves it
+        nothing."""
+        lg, dev = logits.clone(), logits.device
+        if len(adj.masked):
+            assert self.blocked is not None
+            idx, r = to_device(adj.masked, dev), to_device(rows[adj.masked].astype(np.int64), dev)
+            lg.index_copy_(0, idx, lg.index_select(0, idx).masked_fill_(self.blocked[r], float("-inf")))
+        if adj.barred is not None:
+            lg[to_device(adj.barred[0], dev), to_device(adj.barred[1], dev)] = float("-inf")
+        return lg
+
     def apply(
         self, logits: torch.Tensor, rows: np.ndarray, adj: Adjust, by_row: dict[str, torch.Tensor]
     ) -> torch.Tensor:
-        """The logits with the masks, ``min_tokens``, the bad words, the logit biases and the
+        """The logits with the masks (``masked``), ``min_tokens``, the logit biases and the
         penalties applied (a copy)."""
-        lg, dev = logits.clone(), logits.device
+        lg, dev = self.masked(logits, rows, adj), logits.device
 
         def on(samples: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
             return to_device(samples, dev), to_device(rows[samples].astype(np.int64), dev)
 
-        if len(adj.masked):
-            assert self.blocked is not None
-            idx, r = on(adj.masked)
-            lg.index_copy_(0, idx, lg.index_select(0, idx).masked_fill_(self.blocked[r], float("-inf")))
         if adj.suppress is not None:
             lg[to_device(adj.suppress[0], dev), to_device(adj.suppress[1], dev)] = float("-inf")
         if len(adj.biased):

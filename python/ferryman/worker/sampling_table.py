@@ -170,10 +170,6 @@ class SamplingTable:
     def _adjusted(self, i: int) -> bool:  # its logits change before sampling (``Adjust``)
         return bool(self.penalized[i]) or any(i in d for d in (self.bias, self.suppress, self.masks))
 
-    @property
-    def num_synced(self) -> int:
-        return len(self.synced)
-
     def args(self, out: Any) -> SampleArgs:
         """What sampling the planned step ``out`` (a ``SchedulerOutput``) needs from the table."""
         ids = out.added_req_ids
@@ -227,16 +223,17 @@ class SamplingTable:
         positions: np.ndarray,
         a: SampleArgs,
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[dict[int, Logprob] | None] | None]:
-        """One token per row of ``logits``: sample i is of batch row ``rows[i]``, fork
-        ``seq_indices[i]``, sampling the token at ``positions[i]``; whether each row's largest
-        logit is finite (False: NaN or +inf in the row, or all of it -inf; read off the maximum
-        that greedy sampling takes anyway, so the check costs no pass of its own), or None on
-        the CPU when every row is; and the samples' logprobs when any wants them."""
-        raw = logits  # logprobs are the model's own: before penalties, biases and temperature
+        """One token per row of ``logits`` (sample i: batch row ``rows[i]``, fork ``seq_indices[i]``,
+        the token at ``positions[i]``); whether each row's largest logit is finite (read off
+        greedy's maximum, no pass of its own; None on the CPU when all are), or where masks
+        applied an int8 status (1 fine, 0 not finite, -1 every token forbidden by the request);
+        and the samples' logprobs when any wants them."""
+        raw = model = logits  # logprobs are the model's own: before penalties, biases and temperature
         if a.adjust is not None:
             logits = self.logit_state.apply(logits, rows, a.adjust, self.by_row)
-        if a.grammar is not None:
-            logits = apply_grammar(logits, *a.grammar, fallback=raw if a.adjust is not None else None)
+        if a.grammar is not None:  # over what min_tokens leaves it, or else what is not forbidden
+            hard = None if a.adjust is None else self.logit_state.masked(model, rows, a.adjust)
+            logits = apply_grammar(logits, *a.grammar, fallback=hard)
             if a.wanted is not None:  # but under the grammar's mask, as vLLM reports them
                 raw = logits if a.adjust is None else apply_grammar(raw, *a.grammar)
         if logits.device.type == "cpu":
@@ -266,6 +263,8 @@ class SamplingTable:
                 tokens = best_t.index_copy(0, idx, chosen).to(torch.int32)
         if a.adjust is not None:
             self.logit_state.count(tokens, rows, a.adjust)
+        if ok is not None and logits is not model:  # a row its own request's masks emptied
+            ok = torch.where(ok, 1, torch.where(torch.isfinite(model.amax(dim=-1)), -1, 0)).to(torch.int8)
         if a.wanted is None:
             return tokens, ok, None
         return tokens, ok, gather_logprobs(raw, tokens, a.wanted)

@@ -6,9 +6,10 @@ flight names one of them (``SchedulerOutput.inflight_*``), and the runner fills 
 blocking copy, so the caller can apply the previous step while the device runs this one.
 
 A sample row whose largest logit is not finite (NaN or +inf in the row, or all of it -inf; the
-sampler reads this off the argmax it takes anyway) comes back as -1: the engine fails that request
-alone. The ids kept on the device for the next step's inputs hold 0 there instead (always a valid
-embedding row; the request is aborted before any step applies them).
+sampler reads this off the argmax it takes anyway) comes back as -1, one whose logits are finite but
+whose request's own masks forbid every token as -2: the engine fails that request alone. The ids
+kept on the device for the next step's inputs hold 0 there instead (always a valid embedding row;
+the request is aborted before any step applies them).
 
 ``faults`` (test-only, ``FERRYMAN_TEST_FAULT_STEPS``): core step numbers at which ``run`` raises
 ``InjectedFault`` before the forward, so tests can make a step fail.
@@ -110,7 +111,7 @@ class StepWorker:
         # embedding may read it; that row's request fails when this step is applied
         self._prev = tokens
         if ok is not None:  # on CUDA never asked (that would wait for the device)
-            tokens = torch.where(ok, tokens, -1)
+            tokens = torch.where(ok > 0, tokens, ok.to(tokens.dtype) - 1)  # -1 not finite, -2 none allowed
         if tokens.device.type != "cuda" or not self.overlap:
             any_bad = None if tokens.device.type == "cuda" else ok is not None  # on the CPU, known
             return Sampled(tokens.cpu().numpy(), lps, prompt_logprobs=prompt_lps, any_bad=any_bad)

@@ -34,7 +34,7 @@ from ferryman.engine_setup import build_parts
 from ferryman.output_processor import OutputProcessor, RequestState
 from ferryman.outputs import PreemptionEvent, RequestMetrics, RequestOutput, StepResult, StepStats
 from ferryman.sampling_params import SamplingParams
-from ferryman.tokenizer import prompt_ids
+from ferryman.tokenizer import max_prompt_chars, prompt_ids
 from ferryman.worker.logit_masks import output_history, request_masks
 from ferryman.worker.sampling_table import SamplingTable
 from ferryman.worker.step_worker import InFlight as _InFlight
@@ -61,6 +61,7 @@ class Engine(FaultsMixin, OfflineMixin):
         if self.tokenizer is not None:
             self.scheduler.set_tokenizer(self.tokenizer.backend_tokenizer.to_str())
         self._rng = random.Random(args.seed)
+        self._max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
         self._outputs = OutputProcessor(self.eos_token_ids[:1], self.tokenizer)  # the primary EOS (vLLM's)
         self._sampling = SamplingTable(args.max_num_seqs, self.device, mc.vocab_size)
         # of the scheduler alone: a bound method made a cycle that kept dropped engines alive
@@ -113,7 +114,7 @@ class Engine(FaultsMixin, OfflineMixin):
             raise InvalidRequestError(f"request {request_id!r} already exists")
         if (params.stop or params.bad_words) and self.tokenizer is None:
             raise InvalidRequestError("stop strings and bad_words need a tokenizer, and this model has none")
-        text, ids = self.tokenize(prompt, prompt_token_ids)
+        text, ids = self.tokenize(prompt, prompt_token_ids, cut=params.truncate_prompt_tokens is not None)
         ids = params.truncated(ids, self.max_model_len)
         params.check_engine(vocab := self.model.cfg.vocab_size, self.args.max_logprobs, self.args.policy)
         bad_words = request_masks(params, self.tokenizer, vocab, self.eos_token_ids)
@@ -283,10 +284,17 @@ class Engine(FaultsMixin, OfflineMixin):
         return StepResult(outputs + failed, StepStats.of(out, res.num_generated), events)
 
     def tokenize(
-        self, prompt: Prompt, ids: list[int] | None = None, add_special_tokens: bool = True
+        self, prompt: Prompt, ids: list[int] | None = None, add_special_tokens: bool = True, cut: bool = False
     ) -> tuple[str | None, list[int]]:
         """A prompt's text (None for token ids) and ids, as ``add_request`` takes them
-        (``prompt_ids``; ``ids``: a text's ids tokenized before); safe to call from another thread."""
+        (``prompt_ids``; ``ids``: a text's ids tokenized before); safe to call from another thread.
+        A text longer than any ``max_model_len`` tokens spell is refused before it is tokenized
+        (a huge one took minutes and gigabytes), unless ``cut`` (``truncate_prompt_tokens``)."""
         if isinstance(prompt, str) and ids is not None:
             return prompt, ids
+        if isinstance(prompt, str) and not cut and len(prompt) > self._max_prompt_chars:
+            n, m = len(prompt), self.max_model_len
+            raise InvalidRequestError(
+                f"prompt of {n} characters, more than {m} tokens spell, exceeds max_model_len={m}"
+            )
         return prompt_ids(self.tokenizer, self.model.cfg.vocab_size, prompt, add_special_tokens)

@@ -45,7 +45,11 @@ class OfflineMixin:
             prompt_token_ids: list[int] | None = None,
         ) -> None: ...
         def tokenize(
-            self, prompt: Prompt, ids: list[int] | None = None, add_special_tokens: bool = True
+            self,
+            prompt: Prompt,
+            ids: list[int] | None = None,
+            add_special_tokens: bool = True,
+            cut: bool = False,
         ) -> tuple[str | None, list[int]]: ...
         def step(self) -> StepResult: ...
         def abort_request(self, request_id: str) -> bool: ...
@@ -116,7 +120,7 @@ class OfflineMixin:
         added: list[str] = []
         try:
             for rid, p, tids, sp in zip(ids, plist, token_ids, params, strict=True):
-                tids = self.tokenize(p, tids)[1]  # checked here: _fit reads them
+                tids = self.tokenize(p, tids, cut=sp.truncate_prompt_tokens is not None)[1]  # _fit reads them
                 final_only = self._fit(dataclasses.replace(sp, output_kind="final_only"), tids)
                 self.add_request(rid, p, final_only, prompt_token_ids=tids)
                 added.append(rid)

@@ -271,7 +271,10 @@ class SamplingParams:
         c.logit_bias = None if self.logit_bias is None else dict(self.logit_bias)
         c.allowed_token_ids = None if self.allowed_token_ids is None else list(self.allowed_token_ids)
         c.bad_words = None if self.bad_words is None else list(self.bad_words)
-        c.structured_outputs = copy.deepcopy(self.structured_outputs)
+        try:
+            c.structured_outputs = copy.deepcopy(self.structured_outputs)
+        except RecursionError:
+            raise ValueError("structured_outputs: the schema nests too deeply") from None
         return c
 
     @property

@@ -171,6 +171,18 @@ def check_text(text: Any, what: str = "prompt") -> None:
         raise InvalidRequestError(msg) from None
 
 
+def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int:
+    """The most characters a prompt of ``max_model_len`` tokens can spell: a token spells at most
+    its longest vocabulary entry (byte-level entries name bytes, never fewer than the characters
+    they decode to), times 4 for what normalization may fold into one character (NFC composes up
+    to three). A text past it is refused untokenized. Holds unless a normalizer deletes text, as
+    none in the Llama family does."""
+    if tokenizer is None:
+        return 1 << 62
+    longest = max(map(len, tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True)), default=1)
+    return max_model_len * longest * 4
+
+
 def prompt_ids(
     tokenizer: Any, vocab_size: int, prompt: str | Iterable[int], add_special_tokens: bool = True
 ) -> tuple[str | None, list[int]]:

@@ -103,6 +103,8 @@ MODEL_LIMITS = re.compile(
     r"|^priority -?\d+ needs the priority scheduling policy"
     # a bad word that is all whitespace, as Python's str.strip() has it (JSON Schema cannot say)
     r"|^bad_words must be a list of words \(not blank\)"
+    # masks (allowed_token_ids, bad_words, min_tokens, a grammar) that together forbid every token
+    r"|^allowed_token_ids leave no token to sample|^no token is left to sample"
 )
 
 

@@ -120,7 +120,7 @@ def test_an_api_key_guards_the_v1_routes(spare: Engine) -> None:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
             r = c.post("/v1/completions", json=body, headers=headers | {"Origin": "http://x.example"})
             assert r.status_code == 401 and r.json()["error"]["message"] == "invalid or missing API key"
-            assert r.headers["access-control-allow-origin"] == "*"
+            assert r.headers["access-control-allow-origin"] == "*" and len(r.headers["x-request-id"]) == 32
         assert c.get("/v1/models").status_code == 401
         ok = {"Authorization": "Bearer s3cret"}
         assert c.post("/v1/completions", json=body, headers=ok).status_code == 200
@@ -205,11 +205,28 @@ def test_a_body_that_is_not_json_is_a_415_that_says_so(client: TestClient) -> No
         "/v1/completions", content=data, headers={"Content-Type": "application/json; charset=utf-8"}
     )
     assert ok.status_code == 200
+    # no type at all is read as JSON (requests.post(url, data=json.dumps(...)) sends none): it was
+    # a 400 about a dictionary
+    assert "content-type" not in client.build_request("POST", "/v1/completions", content=data).headers
+    assert client.post("/v1/completions", content=data).status_code == 200
 
 
-def test_a_client_that_leaves_a_plain_request_aborts_it(tmp_path: Path) -> None:
+def test_a_request_nested_too_deeply_is_a_400(client: TestClient) -> None:
+    """Nested past Python's recursion limit (the schema's copy), a response_format or a tool's
+    parameters was a plain-text 500; and any fault of the server's own answers in OpenAI's body."""
+    deep: dict[str, Any] = {"type": "string"}
+    for _ in range(500):
+        deep = {"type": "array", "items": deep}
+    fmt = {"type": "json_schema", "json_schema": {"name": "d", "schema": deep}}
+    r = client.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2, "response_format": fmt})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+@pytest.mark.parametrize("key", [None, "k"])
+def test_a_client_that_leaves_a_plain_request_aborts_it(tmp_path: Path, key: str | None) -> None:
     """Over a real socket (uvicorn): the middlewares must not hide the disconnect the
-    non-streamed routes abort on (Starlette's BaseHTTPMiddleware did)."""
+    non-streamed routes abort on (Starlette's BaseHTTPMiddleware did; with --api-key the key's
+    check was one, and every such request ran to its end)."""
     import socket
     import threading
     import time
@@ -222,7 +239,8 @@ def test_a_client_that_leaves_a_plain_request_aborts_it(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(AsyncEngine(eng), "t"), port=port, log_level="warning"))
+    app = build_app(AsyncEngine(eng), "t", api_key=key)
+    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
@@ -235,7 +253,9 @@ def test_a_client_that_leaves_a_plain_request_aborts_it(tmp_path: Path) -> None:
                 time.sleep(0.05)
         body = {"prompt": "hi", "max_tokens": 4000, "ignore_eos": True}
         with pytest.raises(httpx.TimeoutException):
-            httpx.post(url + "/v1/completions", json=body, timeout=1.0)
+            httpx.post(
+                url + "/v1/completions", json=body, timeout=1.0, headers={"Authorization": f"Bearer {key}"}
+            )
         deadline = time.monotonic() + 60
         while eng._core_ids and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -117,3 +117,23 @@ def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(client: TestClien
     client.post("/v1/chat/completions", json=chat)
     usage = client.post("/v1/chat/completions", json=chat).json()["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_a_text_no_context_can_hold_is_refused_before_it_is_tokenized(tmp_path: Path) -> None:
+    """A prompt longer than any max_model_len tokens spell (every token at most its longest
+    vocabulary entry) is refused untokenized: a 50 MB one took the server's tokenizer thread 85 s
+    and 8 GB. truncate_prompt_tokens keeps its tail, so such a prompt still runs with it."""
+    from ferryman._core import InvalidRequestError
+    from ferryman.tokenizer import max_prompt_chars
+
+    eng = Engine(str(build("llama", tmp_path, tokenizer=True)), max_model_len=64, calibrate=False)
+    limit = max_prompt_chars(eng.tokenizer, 64)
+    longest = max(map(len, eng.tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True)))
+    assert limit == 64 * longest * 4
+    with pytest.raises(InvalidRequestError, match=rf"prompt of {limit + 1} characters, .* max_model_len=64$"):
+        eng.add_request("huge", "a" * (limit + 1), GREEDY)
+    with pytest.raises(InvalidRequestError, match=r"prompt of \d+ tokens plus"):  # counted as tokens
+        eng.add_request("long", "a" * limit, GREEDY)
+    cut = SamplingParams(temperature=0.0, max_tokens=4, truncate_prompt_tokens=16)
+    out = eng.generate(["ab" * limit], cut)[0]
+    assert len(out.prompt_token_ids) == 16 and len(out.outputs[0].token_ids) == 4

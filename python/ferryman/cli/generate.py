@@ -138,7 +138,7 @@ def stream(engine: Engine, prompt: str | list[int], params: SamplingParams) -> I
     string until it is decided). As ``generate`` does, a ``max_tokens`` past ``max_model_len``
     is cut to the room the prompt leaves; a request left unfinished (Ctrl-C) is aborted. The
     request is added (or refused) on the call, before the first delta is asked for."""
-    _, ids = engine.tokenize(prompt)
+    _, ids = engine.tokenize(prompt, cut=params.truncate_prompt_tokens is not None)
     params = dataclasses.replace(engine._fit(params, ids), output_kind="delta")
     engine.add_request("cli", prompt, params, prompt_token_ids=ids)
     return _deltas(engine)

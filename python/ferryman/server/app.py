@@ -12,7 +12,6 @@ step.
 
 from __future__ import annotations
 
-import hmac
 import re
 import time
 import uuid
@@ -37,7 +36,7 @@ from ferryman.server.async_engine import (
     Update,
 )
 from ferryman.server.chat_route import add_chat_route
-from ferryman.server.errors import ERRORS, ApiError, error_response, generation, install_error_handlers
+from ferryman.server.errors import ERRORS, ApiError, generation, install_error_handlers
 from ferryman.server.tokenize_routes import add_tokenizer_routes
 
 T = TypeVar("T")
@@ -66,18 +65,7 @@ def build_app(
             engine.shutdown()
 
     app = FastAPI(title="ferryman", lifespan=lifespan)
-    install_error_handlers(app)
-    # "" is no key (vLLM's: no client sends an empty bearer token); inside CORS (added before
-    # it), so a refusal has CORS headers too
-    if api_key:
-        want = f"Bearer {api_key}".encode()
-
-        @app.middleware("http")
-        async def authenticate(request: Request, call_next: Any) -> Response:
-            given = request.headers.get("authorization", "").encode()
-            if request.url.path.startswith("/v1") and not hmac.compare_digest(given, want):
-                return error_response(ApiError(401, "invalid or missing API key", "invalid_request_error"))
-            return await call_next(request)  # type: ignore[no-any-return]
+    install_error_handlers(app, api_key)  # inside CORS (added before it): refusals get its headers
 
     if allowed_origins:  # outermost (added last), so its headers are on every answer, errors included
         app.add_middleware(

@@ -136,7 +136,8 @@ class AsyncEngine(EngineThread):
             for (rid, prompt), stream in zip(prompts, streams, strict=True):
                 ids = None
                 if isinstance(prompt, str) and self.engine.tokenizer is not None:
-                    ids = (await self.offload(partial(self.engine.tokenize, prompt, None, special)))[1]
+                    cut = params.truncate_prompt_tokens is not None
+                    ids = (await self.offload(partial(self.engine.tokenize, prompt, None, special, cut)))[1]
                 group.append((rid, prompt, ids, stream))
             if not self._put(("add", group, replace(params, output_kind="delta"), arrival)):
                 raise EngineDeadError(f"engine stopped: {self.error!r}")

@@ -4,6 +4,7 @@ body it cannot decode; an unknown path) to it, and the error answers the schema 
 
 from __future__ import annotations
 
+import hmac
 import uuid
 from typing import Any
 
@@ -59,8 +60,10 @@ def _member(loc: Any) -> bool:
 class JsonBodies:
     """ASGI middleware: a POST body sent as something else than JSON (``curl -d`` sends a form
     type unless told) is a 415 that says so, not a validation error about a dictionary (vLLM's
-    rule). Plain ASGI, not ``BaseHTTPMiddleware``: that one hides a client's disconnect from the
-    handlers (``Request.is_disconnected``), which the non-streamed routes abort on."""
+    rule); one sent with no type is read as JSON (``requests.post(url, data=json.dumps(...))``
+    sends none; FastAPI read it so until it turned strict). Plain ASGI, not
+    ``BaseHTTPMiddleware``: that one hides a client's disconnect from the handlers
+    (``Request.is_disconnected``), which the non-streamed routes abort on."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -68,12 +71,32 @@ class JsonBodies:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             given = dict(scope["headers"]).get(b"content-type")
-            if given is not None and not _is_json(given.decode("latin-1")):
+            if given is None:
+                scope = {**scope, "headers": [*scope["headers"], (b"content-type", b"application/json")]}
+            elif not _is_json(given.decode("latin-1")):
                 said = "the request body must be JSON, sent with Content-Type: application/json"
                 response = error_response(
                     ApiError(415, f"{said} (got {given.decode('latin-1')!r})", "invalid_request_error")
                 )
                 await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class ApiKey:
+    """ASGI middleware: the ``/v1`` routes need ``Authorization: Bearer <key>`` (vLLM's rule; the
+    others, health and metrics among them, stay open), else a 401 in OpenAI's body. Plain ASGI,
+    as ``JsonBodies``: a client that leaves a request it waits on still aborts it."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app, self.want = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.want):
+                refused = ApiError(401, "invalid or missing API key", "invalid_request_error")
+                await error_response(refused)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -102,9 +125,24 @@ class RequestIds:
         await self.app(scope, receive, tagged)
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, api_key: str | None = None) -> None:
+    """The error handlers and middleware (``api_key``: ``ApiKey``; None or "" is no key, as in
+    vLLM: no client sends an empty bearer token)."""
     app.add_middleware(JsonBodies)
-    app.add_middleware(RequestIds)  # around JsonBodies: its 415s carry the header too
+    if api_key:
+        app.add_middleware(ApiKey, key=api_key)
+    app.add_middleware(RequestIds)  # around both: their 415s and 401s carry the header too
+
+    @app.exception_handler(RecursionError)
+    async def _deep(_: Request, e: RecursionError) -> JSONResponse:
+        """A request nested past what the server's recursive passes over it take (a schema, a
+        tool's parameters): the request's doing."""
+        return error_response(ApiError(400, "the request nests too deeply", "invalid_request_error"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
+        """A fault of the server's own (a bug): OpenAI's body still, never a bare text 500."""
+        return error_response(ApiError(500, f"internal error: {e!r}", "server_error"))
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError) -> JSONResponse:

@@ -40,34 +40,46 @@ pub struct GrammarSpec {
 /// An object schema that lists `properties` and says nothing of any others allows no others, in
 /// `schema` and every schema under it (vLLM's default, xgrammar's strict mode, and what OpenAI's
 /// `strict: true` asks); `"additionalProperties": true` keeps an object open. The members of an
-/// `allOf` are left as written (closing each would refuse the properties of the others), and a
-/// schema that names properties beside `anyOf` / `oneOf` / `allOf` members naming more stays
-/// open with them (each side would refuse the other's); the objects under all of them close.
+/// `allOf` are left as written (closing each would refuse the properties of the others), and so
+/// is a union's members wherever properties come from beside them (the schema's own, another
+/// combinator's members) or from outside (inside an `allOf` member), and a schema with such
+/// members itself (each side would refuse the other's); the objects under all of them close.
 fn close_objects(schema: &mut Value) {
     close(schema, true)
 }
 
-/// `close_objects`, closing `schema` itself only if `here`.
+/// Whether some schema of the list `l` names properties, itself or through its own anyOf /
+/// oneOf / allOf members (the depth is bounded: serde_json parses at most 128 levels).
+fn members_name_properties(l: &Value) -> bool {
+    let combinators =
+        |s: &Value| ["anyOf", "oneOf", "allOf"].iter().any(|k| s.get(*k).is_some_and(members_name_properties));
+    l.as_array().is_some_and(|l| l.iter().any(|s| s.get("properties").is_some() || combinators(s)))
+}
+
+/// `close_objects`, closing `schema` itself only if `here` (false: it is an `allOf` member, or
+/// a union member beside other properties, whose own properties combine with those).
 fn close(schema: &mut Value, here: bool) {
     let Value::Object(m) = schema else { return };
     let open = ["additionalProperties", "unevaluatedProperties", "patternProperties"];
     // properties its anyOf / oneOf / allOf members name are its own too: it and they stay open
-    let combined = ["anyOf", "oneOf", "allOf"]
-        .iter()
-        .any(|k| m.get(*k).and_then(Value::as_array).is_some_and(|l| l.iter().any(|s| s.get("properties").is_some())));
+    let names = |k: &str| m.get(k).is_some_and(members_name_properties);
+    let (any_of, one_of, all_of) = (names("anyOf"), names("oneOf"), names("allOf"));
     let named = m.contains_key("properties");
-    if here && named && !combined && !open.iter().any(|k| m.contains_key(*k)) {
+    if here && named && !(any_of || one_of || all_of) && !open.iter().any(|k| m.contains_key(*k)) {
         m.insert("additionalProperties".into(), Value::Bool(false));
     }
-    // a union's members close unless the schema adds properties of its own to theirs
-    let mixed = combined && named;
+    // a union's members close only where nothing beside them names properties (the schema
+    // itself, another combinator's members) and the schema takes none from outside (`here`)
+    let close_any_of = here && !(named || one_of || all_of);
+    let close_one_of = here && !(named || any_of || all_of);
     for (keyword, sub) in m.iter_mut() {
         match (keyword.as_str(), sub) {
             (
                 "properties" | "patternProperties" | "$defs" | "definitions" | "dependentSchemas",
                 Value::Object(named),
             ) => named.values_mut().for_each(close_objects),
-            ("anyOf" | "oneOf", Value::Array(list)) => list.iter_mut().for_each(|s| close(s, !mixed)),
+            ("anyOf", Value::Array(list)) => list.iter_mut().for_each(|s| close(s, close_any_of)),
+            ("oneOf", Value::Array(list)) => list.iter_mut().for_each(|s| close(s, close_one_of)),
             ("allOf", Value::Array(list)) => list.iter_mut().for_each(|s| close(s, false)),
             ("prefixItems" | "items", Value::Array(list)) => list.iter_mut().for_each(close_objects),
             (
@@ -317,6 +329,17 @@ mod tests {
             {"properties": {"y": {"type": "integer"}}}]}"#;
         assert!(accepts(all, r#"{"inner":{"x":1},"y":2}"#), "members stay open to each other");
         assert!(!accepts(all, r#"{"inner":{"x":1,"z":2}}"#), "inner is closed");
+        // a union beside an allOf that names properties, or inside one of its members, stays open
+        // to them (closed, it refused what the allOf requires: an unsatisfiable schema)
+        let a = r#"{"properties": {"a": {"type": "integer"}}, "required": ["a"]}"#;
+        let b = r#"{"properties": {"b": {"type": "integer"}}, "required": ["b"]}"#;
+        let beside = format!(r#"{{"type": "object", "allOf": [{a}], "anyOf": [{b}]}}"#);
+        let inside = format!(r#"{{"type": "object", "allOf": [{a}, {{"anyOf": [{b}]}}]}}"#);
+        let nested = format!(r#"{{"properties": {{"z": {{"type": "integer"}}}}, "anyOf": [{{"anyOf": [{b}]}}]}}"#);
+        for schema in [&beside, &inside] {
+            assert!(accepts(schema, r#"{"a":1,"b":2}"#), "{schema}");
+        }
+        assert!(accepts(&nested, r#"{"z":1,"b":2}"#), "open down a chain of unions");
     }
 
     #[test]

@@ -225,7 +225,9 @@ class OfflineMixin:
                 text = open_final_message(text)
             except ValueError as e:
                 raise InvalidRequestError(str(e)) from None
-        return text, self.tokenize(text, add_special_tokens=False)[1]
+        # tokenized whatever its length: the params a chat runs with may truncate it (the core then
+        # counts its tokens against max_model_len)
+        return text, self.tokenize(text, add_special_tokens=False, cut=True)[1]
 
 
 def _flat_message(m: Any) -> dict[str, Any]:

@@ -171,13 +171,22 @@ def check_text(text: Any, what: str = "prompt") -> None:
         raise InvalidRequestError(msg) from None
 
 
+# steps that may delete text (then a short prompt may hold many characters, and there is no bound)
+_DELETES = ("Strip", "StripAccents", "BertNormalizer", "BertPreTokenizer", "Whitespace", "WhitespaceSplit",
+            "CharDelimiterSplit", "Precompiled", "Removed")  # fmt: skip
+
+
 def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int:
-    """The most characters a prompt of ``max_model_len`` tokens can spell: a token spells at most
-    its longest vocabulary entry (byte-level entries name bytes, never fewer than the characters
-    they decode to), times 4 for what normalization may fold into one character (NFC composes up
-    to three). A text past it is refused untokenized. Holds unless a normalizer deletes text, as
-    none in the Llama family does."""
+    """The most characters a prompt of ``max_model_len`` tokens can spell (a text past it is refused
+    untokenized): a token spells at most its longest vocabulary entry (a byte-level entry's bytes,
+    never fewer than the characters they decode to), x4 for what normalization folds into one
+    character (NFC composes up to three). No bound (2**62) without a tokenizer, or where its steps
+    may delete text or unknown characters fuse into one token (none in the Llama family)."""
     if tokenizer is None:
+        return 1 << 62
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    steps, model = json.dumps([spec.get("normalizer"), spec.get("pre_tokenizer")]), spec.get("model") or {}
+    if any(f'"{d}"' in steps for d in _DELETES) or (model.get("fuse_unk") and not model.get("byte_fallback")):
         return 1 << 62
     longest = max(map(len, tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True)), default=1)
     return max_model_len * longest * 4

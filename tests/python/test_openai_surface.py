@@ -212,8 +212,8 @@ def test_a_body_that_is_not_json_is_a_415_that_says_so(client: TestClient) -> No
 
 
 def test_a_request_nested_too_deeply_is_a_400(client: TestClient) -> None:
-    """Nested past Python's recursion limit (the schema's copy), a response_format or a tool's
-    parameters was a plain-text 500; and any fault of the server's own answers in OpenAI's body."""
+    """Nested past Python's recursion limit, a response_format (the schema's copy in
+    ``SamplingParams.clone``) was a plain-text 500."""
     deep: dict[str, Any] = {"type": "string"}
     for _ in range(500):
         deep = {"type": "array", "items": deep}
@@ -283,3 +283,52 @@ def test_every_response_carries_a_request_id(client: TestClient) -> None:
     with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}, headers=mine) as r:
         assert r.headers["x-request-id"] == "trace-42"
         assert any(line.startswith("data: [DONE]") for line in r.iter_lines())
+
+
+def test_faults_of_the_servers_own_answer_in_openais_body_with_the_headers(spare: Engine) -> None:
+    """An exception no route answers is a 500 in OpenAI's body with x-request-id and CORS headers
+    (Starlette's handler for Exception answered outside every middleware: no headers, and a
+    browser saw a CORS failure); a RecursionError anywhere is the request's nesting: a 400."""
+    app = build_app(AsyncEngine(spare), "tiny", allowed_origins=["*"])
+
+    def fails(kind: str) -> None:
+        raise RecursionError("deep") if kind == "deep" else KeyError(kind)
+
+    app.add_api_route("/fails/{kind}", fails)
+    with TestClient(app, raise_server_exceptions=False) as c:
+        headers = {"x-request-id": "r-1", "Origin": "http://x.example"}
+        r = c.get("/fails/bug", headers=headers)
+        assert r.status_code == 500 and r.json()["error"] == {
+            "message": "internal error: KeyError('bug')",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
+        assert r.headers["x-request-id"] == "r-1" and r.headers["access-control-allow-origin"] == "*"
+        r = c.get("/fails/deep", headers=headers)
+        assert r.status_code == 400 and r.json()["error"]["message"] == "the request nests too deeply"
+
+
+def test_the_openai_clients_stream_state_assembles_the_plain_answer(client: TestClient) -> None:
+    """Each choice's stream opens with a role-only chunk (OpenAI's and vLLM's shape): a first chunk
+    that carried content and logprobs made the openai client count its logprobs twice for every
+    choice after the first (``ChatCompletionStreamState``, which ``.stream()`` helpers use)."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    body = {"messages": HI, "max_tokens": 5, "n": 2, "seed": 9, "temperature": 1.0, "logprobs": True}
+    body |= {"top_logprobs": 1, "ignore_eos": True}
+    plain = client.post("/v1/chat/completions", json=body).json()
+    state = ChatCompletionStreamState()
+    chunks = events(client, "/v1/chat/completions", body)
+    for c in chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(c))
+    opening = [c["choices"][0] for c in chunks[:2]]
+    said = [(o["index"], {k: v for k, v in o["delta"].items() if v}, o["logprobs"]) for o in opening]
+    assert said == [(k, {"role": "assistant"}, None) for k in (0, 1)]
+    final = state.current_completion_snapshot  # get_final_completion refuses a "length" finish
+    for got, want in zip(final.choices, plain["choices"], strict=True):
+        assert got.message.content == want["message"]["content"]
+        assert got.logprobs is not None
+        tokens = [t.token for t in got.logprobs.content or []]
+        assert tokens == [t["token"] for t in want["logprobs"]["content"]]

@@ -137,3 +137,22 @@ def test_a_text_no_context_can_hold_is_refused_before_it_is_tokenized(tmp_path: 
     cut = SamplingParams(temperature=0.0, max_tokens=4, truncate_prompt_tokens=16)
     out = eng.generate(["ab" * limit], cut)[0]
     assert len(out.prompt_token_ids) == 16 and len(out.outputs[0].token_ids) == 4
+    chat = eng.chat([{"role": "user", "content": "ab" * limit}], cut)[0]  # and so does a chat
+    assert len(chat.prompt_token_ids) == 16 and len(chat.outputs[0].token_ids) == 4
+
+
+def test_the_character_bound_holds_only_where_no_step_deletes_text(bos_model: tuple[Path, Any]) -> None:
+    """A Llama-2-style SentencePiece tokenizer (unknown characters fused, but as bytes) is bounded;
+    one that drops whitespace in a pre-tokenizer is not: a short prompt could hold any number of
+    characters there."""
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from ferryman.tokenizer import max_prompt_chars
+
+    assert max_prompt_chars(bos_model[1], 8) < 1 << 20
+    words = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    assert max_prompt_chars(SimpleNamespace(backend_tokenizer=words), 8) == 1 << 62
+    assert len(words.encode("a" + " " * 10_000 + "a").ids) == 2

@@ -153,6 +153,21 @@ def test_completions_plain_and_streamed_match_the_offline_engine(server: Server,
     with httpx.stream("POST", server.url + "/v1/completions", json=continuous) as resp:
         so_far = [e["usage"]["completion_tokens"] for e in sse(resp.iter_lines()) if e["choices"]]
     assert so_far == list(range(1, 13))  # vLLM's continuous_usage_stats: the usage so far, per chunk
+    # per choice (its prompt's tokens, its own completion tokens), as vLLM: request-wide sums were
+    # sent; and only beside include_usage
+    two = {**continuous, "prompt": ["Hello there", "hi"], "n": 2, "max_tokens": 3, "seed": 1}
+    with httpx.stream("POST", server.url + "/v1/completions", json=two) as resp:
+        chunks = [e for e in sse(resp.iter_lines()) if e["choices"]]
+    per_choice: dict[int, list[tuple[int, int]]] = {}
+    for e in chunks:
+        per_choice.setdefault(e["choices"][0]["index"], []).append(
+            (e["usage"]["prompt_tokens"], e["usage"]["completion_tokens"])
+        )
+    counts = [httpx.post(server.url + "/tokenize", json={"prompt": p}).json()["count"] for p in two["prompt"]]
+    assert per_choice == {c: [(counts[c // 2], k) for k in (1, 2, 3)] for c in range(4)}
+    alone = {**two, "stream_options": {"continuous_usage_stats": True}}
+    with httpx.stream("POST", server.url + "/v1/completions", json=alone) as resp:
+        assert all("usage" not in e or e["usage"] is None for e in sse(resp.iter_lines()))
     # a stop string spanning tokens: the stream never sends text the final result cuts
     text = want.outputs[0].text
     stop = text[4:7]

@@ -68,12 +68,9 @@ def add_chat_route(
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
-            started: set[int] = set()
             split = {k: tool_calls.Streamer(choice, parser) for k in range(params.n)} if with_tools else {}
 
             def chunk_choice(_: int, d: Delta, __: Update) -> api.ChatChunkChoice | None:
-                role: Any = None if d.index in started else "assistant"
-                started.add(d.index)
                 lp = responses.chat_logprobs(d.token_ids, d.logprobs, name, top_n, raw) if want_lp else None
                 content: str | None = d.text
                 calls: list[tool_calls.Call] = []
@@ -91,11 +88,11 @@ def add_chat_route(
                     for j, c in enumerate(calls)
                 ]
                 reason = _reason(d.finish_reason, calls, choice)
-                if role is None and content is None and not delta_calls and lp is None and reason is None:
+                if content is None and not delta_calls and lp is None and reason is None:
                     return None  # the text is held back (it may start a tool call): no empty chunk
                 return api.ChatChunkChoice(
                     index=d.index,
-                    delta=api.DeltaMessage(role=role, content=content, tool_calls=delta_calls or None),
+                    delta=api.DeltaMessage(content=content, tool_calls=delta_calls or None),
                     logprobs=lp,
                     finish_reason=reason,
                     stop_reason=d.stop_reason,
@@ -106,7 +103,11 @@ def add_chat_route(
                     id=rid, created=created, model=served_model_name, choices=choices, usage=usage
                 )
 
-            events = responses.sse_events(streams, chunk_choice, chunk, include_usage, continuous)
+            # a role-only chunk per choice first, as OpenAI and vLLM send (the openai client
+            # counted the logprobs of a first chunk that carried them twice)
+            hello = api.DeltaMessage(role="assistant", content="")
+            opening = [api.ChatChunkChoice(index=k, delta=hello) for k in range(params.n)]
+            events = responses.sse_events(streams, chunk_choice, chunk, include_usage, continuous, opening)
             return StreamingResponse(events, media_type="text/event-stream")
 
         async def collect() -> api.ChatCompletionResponse:

@@ -5,6 +5,7 @@ body it cannot decode; an unknown path) to it, and the error answers the schema 
 from __future__ import annotations
 
 import hmac
+import logging
 import uuid
 from typing import Any
 
@@ -101,6 +102,33 @@ class ApiKey:
         await self.app(scope, receive, send)
 
 
+class ServerFaults:
+    """ASGI middleware: an exception no handler answered (a fault of the server's own) is a 500 in
+    OpenAI's body, logged. Inside ``RequestIds`` and CORS, so it carries their headers: Starlette's
+    own handler for ``Exception`` answers outside every middleware. Plain ASGI, as ``JsonBodies``."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        started = False
+
+        async def watched(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as e:
+            if scope["type"] != "http" or started:  # too late for an answer of its own
+                raise
+            logging.getLogger("ferryman.server").exception("unexpected error answering %s", scope["path"])
+            await error_response(ApiError(500, f"internal error: {e!r}", "server_error"))(
+                scope, receive, send
+            )
+
+
 class RequestIds:
     """ASGI middleware: every HTTP response carries ``x-request-id`` (OpenAI's header, which its
     client reads as ``_request_id``): the client's own, when it sent one that is printable ASCII
@@ -131,18 +159,14 @@ def install_error_handlers(app: FastAPI, api_key: str | None = None) -> None:
     app.add_middleware(JsonBodies)
     if api_key:
         app.add_middleware(ApiKey, key=api_key)
-    app.add_middleware(RequestIds)  # around both: their 415s and 401s carry the header too
+    app.add_middleware(ServerFaults)
+    app.add_middleware(RequestIds)  # around them: their 415s, 401s and 500s carry the header too
 
     @app.exception_handler(RecursionError)
     async def _deep(_: Request, e: RecursionError) -> JSONResponse:
         """A request nested past what the server's recursive passes over it take (a schema, a
         tool's parameters): the request's doing."""
         return error_response(ApiError(400, "the request nests too deeply", "invalid_request_error"))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
-        """A fault of the server's own (a bug): OpenAI's body still, never a bare text 500."""
-        return error_response(ApiError(500, f"internal error: {e!r}", "server_error"))
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError) -> JSONResponse:

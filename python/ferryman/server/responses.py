@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -241,22 +241,30 @@ async def sse_events(
     chunk: Callable[[list[Any], api.Usage | None], Any],
     include_usage: bool,
     continuous_usage: bool = False,
+    opening: Sequence[Any] = (),
 ) -> AsyncIterator[str]:
     """A streamed response's events: one chunk per choice of each update (``choice`` maps the
-    prompt index and a delta to a choice, or None when it has nothing to send; with
-    ``continuous_usage`` each carries the usage so far), as OpenAI streams ``n > 1`` (clients
-    read ``chunk.choices[0]``), the usage chunk when asked, then
-    ``[DONE]``; an engine that dies or fails the request mid-stream ends it with an error event,
-    then ``[DONE]``."""
+    prompt index and a delta to a choice, or None when it has nothing to send), as OpenAI streams
+    ``n > 1`` (clients read ``chunk.choices[0]``), the usage chunk when asked, then ``[DONE]``;
+    an engine that dies or fails the request mid-stream ends it with an error event, then
+    ``[DONE]``. With ``continuous_usage`` (vLLM's, only beside ``include_usage``) each chunk
+    carries its own choice's usage so far: its prompt's tokens and its own completion tokens.
+    ``opening``: choices sent first, one chunk each (a chat's role-only chunk per choice)."""
     prompt_tokens: dict[int, tuple[int, int]] = {}
     completion_tokens = 0
+    own: dict[tuple[int, int], int] = {}  # (prompt, choice of it) -> its completion tokens so far
+    continuous_usage = continuous_usage and include_usage
     try:
+        for c in opening:
+            yield sse(chunk([c], None))
         async for i, u in merge(streams):
             prompt_counts(prompt_tokens, i, u)
-            completion_tokens += sum(len(d.token_ids) for d in u.deltas)
-            choices = [c for d in u.deltas if (c := choice(i, d, u)) is not None]
-            so_far = usage(prompt_tokens, completion_tokens) if continuous_usage and choices else None
-            for c in choices:  # a delta with nothing to say (text held back) sends no chunk
+            for d in u.deltas:
+                completion_tokens += len(d.token_ids)
+                own[i, d.index] = own.get((i, d.index), 0) + len(d.token_ids)
+                if (c := choice(i, d, u)) is None:  # nothing to say (text held back): no chunk
+                    continue
+                so_far = usage({i: prompt_tokens[i]}, own[i, d.index]) if continuous_usage else None
                 yield sse(chunk([c], so_far))
         if include_usage:
             yield sse(chunk([], usage(prompt_tokens, completion_tokens)))

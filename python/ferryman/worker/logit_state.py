@@ -37,6 +37,11 @@ class Adjust:
     mask_rows: list[tuple[int, np.ndarray | None, np.ndarray]]  # (row, allowed or None, barred)
     barred: tuple[np.ndarray, np.ndarray] | None  # (samples, token ids) the bad words forbid
 
+    @property
+    def forbids(self) -> bool:
+        """Whether a request forbids tokens outright (allowed_token_ids, bad words) in this step."""
+        return len(self.masked) > 0 or self.barred is not None
+
 
 @dataclass(slots=True)
 class PromptArgs:

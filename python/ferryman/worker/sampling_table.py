@@ -232,7 +232,9 @@ class SamplingTable:
         if a.adjust is not None:
             logits = self.logit_state.apply(logits, rows, a.adjust, self.by_row)
         if a.grammar is not None:  # over what min_tokens leaves it, or else what is not forbidden
-            hard = None if a.adjust is None else self.logit_state.masked(model, rows, a.adjust)
+            hard = None if a.adjust is None else model
+            if a.adjust is not None and a.adjust.forbids:
+                hard = self.logit_state.masked(model, rows, a.adjust)
             logits = apply_grammar(logits, *a.grammar, fallback=hard)
             if a.wanted is not None:  # but under the grammar's mask, as vLLM reports them
                 raw = logits if a.adjust is None else apply_grammar(raw, *a.grammar)
@@ -263,7 +265,7 @@ class SamplingTable:
                 tokens = best_t.index_copy(0, idx, chosen).to(torch.int32)
         if a.adjust is not None:
             self.logit_state.count(tokens, rows, a.adjust)
-        if ok is not None and logits is not model:  # a row its own request's masks emptied
+        if ok is not None and a.adjust is not None and a.adjust.forbids:  # emptied by its own masks
             ok = torch.where(ok, 1, torch.where(torch.isfinite(model.amax(dim=-1)), -1, 0)).to(torch.int8)
         if a.wanted is None:
             return tokens, ok, None

@@ -74,6 +74,8 @@ def bad_words_token_ids(
 
 
 class Masks:
+    """The live requests' masks, by core id (``SamplingTable.masks``)."""
+
     def __init__(self) -> None:
         # core id -> (allowed ids or None, one-token bad words)
         self.fixed: dict[int, tuple[np.ndarray | None, np.ndarray]] = {}

@@ -74,3 +74,26 @@ def test_a_grammar_keeps_the_masks(eng: Engine) -> None:
     only_b = SamplingParams(**G, structured_outputs=StructuredOutputsParams(choice=["ab"]), bad_words=["b"])
     out = eng.generate([PROMPT], only_b)[0]
     assert out.error == NO_TOKEN and b not in out.outputs[0].token_ids
+
+
+def test_masks_never_hide_logits_that_are_not_finite(tmp_path: Path) -> None:
+    """A mask writing -inf over a NaN logit of a token it forbids hid the fault: the request
+    answered 200 where one without the mask failed. -inf is added now (as a grammar's is)."""
+    from safetensors.torch import load_file, save_file
+
+    from ferryman.engine_faults import NON_FINITE
+
+    path = build("llama", tmp_path, tokenizer=True)
+    weights = load_file(path / "model.safetensors")
+    weights["lm_head.weight"][200] = float("nan")  # token 200's logit is NaN for every request
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    eng = Engine(str(path), calibrate=False)
+    a, b = ids(eng, "ab")
+    for extra in (
+        {},
+        {"allowed_token_ids": [a, b]},
+        {"min_tokens": 3, "stop_token_ids": [200]},
+        {"allowed_token_ids": [a, b], "structured_outputs": StructuredOutputsParams(regex="[ab]+")},
+    ):
+        out = eng.generate([PROMPT], SamplingParams(**G, **extra))[0]
+        assert out.error == NON_FINITE and out.outputs[0].token_ids == [], extra  # at its first step

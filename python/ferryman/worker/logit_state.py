@@ -181,14 +181,16 @@ class LogitState:
     def masked(self, logits: torch.Tensor, rows: np.ndarray, adj: Adjust) -> torch.Tensor:
         """The logits with only what the requests forbid outright (``allowed_token_ids``, bad
         words) at -inf (a copy): what a grammar falls back to when ``min_tokens`` leaves it
-        nothing."""
+        nothing. -inf is added, never written (as a grammar's mask): a NaN or +inf logit stays
+        non-finite, so the fault check still sees it."""
         lg, dev = logits.clone(), logits.device
         if len(adj.masked):
             assert self.blocked is not None
             idx, r = to_device(adj.masked, dev), to_device(rows[adj.masked].astype(np.int64), dev)
-            lg.index_copy_(0, idx, lg.index_select(0, idx).masked_fill_(self.blocked[r], float("-inf")))
+            bias = torch.where(self.blocked[r], float("-inf"), 0.0).to(lg.dtype)
+            lg.index_copy_(0, idx, lg.index_select(0, idx) + bias)
         if adj.barred is not None:
-            lg[to_device(adj.barred[0], dev), to_device(adj.barred[1], dev)] = float("-inf")
+            _forbid(lg, adj.barred, dev)
         return lg
 
     def apply(
@@ -202,7 +204,7 @@ class LogitState:
             return to_device(samples, dev), to_device(rows[samples].astype(np.int64), dev)
 
         if adj.suppress is not None:
-            lg[to_device(adj.suppress[0], dev), to_device(adj.suppress[1], dev)] = float("-inf")
+            _forbid(lg, adj.suppress, dev)
         if len(adj.biased):
             assert self.bias_ids is not None and self.bias_vals is not None
             idx, r = on(adj.biased)
@@ -228,6 +230,12 @@ class LogitState:
         r = to_device(rows[adj.count].astype(np.int64), dev)
         t = tokens[to_device(adj.count, dev)].long()
         self.counts.index_put_((r, t), torch.ones_like(t, dtype=torch.int32), accumulate=True)
+
+
+def _forbid(lg: torch.Tensor, pairs: tuple[np.ndarray, np.ndarray], dev: torch.device) -> None:
+    """-inf added (not written: NaN and +inf stay non-finite) at the (sample, token) pairs."""
+    at = (to_device(pairs[0], dev), to_device(pairs[1], dev))
+    lg[at] = lg[at] - float("inf")
 
 
 def _grown(

@@ -186,7 +186,7 @@ class LogitState:
         lg, dev = logits.clone(), logits.device
         if len(adj.masked):
             assert self.blocked is not None
-            idx, r = to_device(adj.masked, dev), to_device(rows[adj.masked].astype(np.int64), dev)
+            idx, r = _on(adj.masked, rows, dev)
             bias = torch.where(self.blocked[r], float("-inf"), 0.0).to(lg.dtype)
             lg.index_copy_(0, idx, lg.index_select(0, idx) + bias)
         if adj.barred is not None:
@@ -199,21 +199,17 @@ class LogitState:
         """The logits with the masks (``masked``), ``min_tokens``, the logit biases and the
         penalties applied (a copy)."""
         lg, dev = self.masked(logits, rows, adj), logits.device
-
-        def on(samples: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-            return to_device(samples, dev), to_device(rows[samples].astype(np.int64), dev)
-
         if adj.suppress is not None:
             _forbid(lg, adj.suppress, dev)
         if len(adj.biased):
             assert self.bias_ids is not None and self.bias_vals is not None
-            idx, r = on(adj.biased)
+            idx, r = _on(adj.biased, rows, dev)
             lg.index_copy_(
                 0, idx, lg.index_select(0, idx).scatter_add_(1, self.bias_ids[r], self.bias_vals[r])
             )
         if len(adj.penalized):
             assert self.counts is not None and self.in_prompt is not None
-            idx, r = on(adj.penalized)
+            idx, r = _on(adj.penalized, rows, dev)
             x, cnt = lg.index_select(0, idx), self.counts[r]
             rp = by_row["repetition_penalty"][r][:, None]
             x = torch.where((cnt > 0) | self.in_prompt[r], torch.where(x > 0, x / rp, x * rp), x)
@@ -230,6 +226,11 @@ class LogitState:
         r = to_device(rows[adj.count].astype(np.int64), dev)
         t = tokens[to_device(adj.count, dev)].long()
         self.counts.index_put_((r, t), torch.ones_like(t, dtype=torch.int32), accumulate=True)
+
+
+def _on(samples: np.ndarray, rows: np.ndarray, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The samples, and their batch rows, on the device."""
+    return to_device(samples, dev), to_device(rows[samples].astype(np.int64), dev)
 
 
 def _forbid(lg: torch.Tensor, pairs: tuple[np.ndarray, np.ndarray], dev: torch.device) -> None:

@@ -232,9 +232,9 @@ class SamplingTable:
         if a.adjust is not None:
             logits = self.logit_state.apply(logits, rows, a.adjust, self.by_row)
         if a.grammar is not None:  # over what min_tokens leaves it, or else what is not forbidden
-            hard = None if a.adjust is None else model
-            if a.adjust is not None and a.adjust.forbids:
-                hard = self.logit_state.masked(model, rows, a.adjust)
+            hard = None
+            if a.adjust is not None:
+                hard = self.logit_state.masked(model, rows, a.adjust) if a.adjust.forbids else model
             logits = apply_grammar(logits, *a.grammar, fallback=hard)
             if a.wanted is not None:  # but under the grammar's mask, as vLLM reports them
                 raw = logits if a.adjust is None else apply_grammar(raw, *a.grammar)

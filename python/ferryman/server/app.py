@@ -37,6 +37,7 @@ from ferryman.server.async_engine import (
 )
 from ferryman.server.chat_route import add_chat_route
 from ferryman.server.errors import ERRORS, ApiError, generation, install_error_handlers
+from ferryman.server.responses_route import add_responses_route
 from ferryman.server.tokenize_routes import add_tokenizer_routes
 
 T = TypeVar("T")
@@ -266,5 +267,6 @@ def build_app(
         return await handling.run_collect(request, collect(), streams)
 
     add_chat_route(app, tokenizer, served_model_name, check, submit, token_str, defaults)
+    add_responses_route(app, tokenizer, served_model_name, check, submit, token_str, defaults)
 
     return app

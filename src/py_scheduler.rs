@@ -241,6 +241,12 @@ impl PyScheduler {
         Ok(self.inner.output_token_ids(req_id_of(req_id)?, seq_index_of(seq_index)?).map(|t| t.to_pyarray(py)))
     }
 
+    /// The text released so far by a live sequence (its deltas'), or None.
+    #[pyo3(signature = (req_id, seq_index=0))]
+    fn output_text(&self, req_id: &Bound<'_, PyAny>, seq_index: i64) -> PyResult<Option<String>> {
+        Ok(self.inner.output_text(req_id_of(req_id)?, seq_index_of(seq_index)?).map(str::to_owned))
+    }
+
     /// The device block table of a live sequence, or None (debugging and tests).
     #[pyo3(signature = (req_id, seq_index=0))]
     fn block_table(&self, req_id: &Bound<'_, PyAny>, seq_index: i64) -> PyResult<Option<Vec<u32>>> {

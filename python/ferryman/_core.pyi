@@ -368,6 +368,8 @@ class Scheduler:
     def check_invariants(self) -> None: ...
     def output_token_ids(self, req_id: int, seq_index: int = 0) -> npt.NDArray[np.int32] | None:
         """The output token ids so far of a live sequence, or None."""
+    def output_text(self, req_id: int, seq_index: int = 0) -> str | None:
+        """The text released so far by a live sequence (its deltas'), or None."""
     def block_table(self, req_id: int, seq_index: int = 0) -> list[int] | None: ...
 
 @final

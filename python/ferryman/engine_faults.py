@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -139,6 +140,12 @@ class FaultsMixin:
         )
         return failed, np.where(bad, 0, ids)
 
+    def _so_far(self, core_id: int, seq_index: int) -> tuple[list[int], str]:
+        """A live sequence's output tokens and released text, from the core."""
+        ids = self.scheduler.output_token_ids(core_id, seq_index)
+        text = self.scheduler.output_text(core_id, seq_index)
+        return ([] if ids is None else ids.tolist()), text or ""
+
     def _fail(self, core_ids: Sequence[int], message: str) -> list[RequestOutput]:
         """Fails these live requests (every sequence of each): their final outputs, with
         ``error``; their blocks are freed."""
@@ -148,7 +155,7 @@ class FaultsMixin:
             st = self._outputs.reqs.get(core_id)
             if st is None:  # finished or aborted already
                 continue
-            outputs.append(self._outputs.failed(st, message, now))
+            outputs.append(self._outputs.failed(st, message, now, partial(self._so_far, core_id)))
             self._release(core_id)
             self.scheduler.abort_request(core_id)
         return outputs

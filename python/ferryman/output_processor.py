@@ -196,11 +196,15 @@ class OutputProcessor:
             )
         return results
 
-    def failed(self, st: RequestState, message: str, now: float) -> RequestOutput:
+    def failed(
+        self, st: RequestState, message: str, now: float, so_far: Callable[[int], tuple[list[int], str]]
+    ) -> RequestOutput:
         """The final output of a request that failed: its sequences not yet finished end with
-        finish_reason "error" (a "delta" request gets an empty last delta for each)."""
+        finish_reason "error" (a "delta" request gets an empty last delta for each; a
+        "final_only" one the tokens and text each had, from ``so_far(seq_index)``, the core's)."""
         st.metrics.finished_time = now
-        if st.params.output_kind == "delta":
+        kind = st.params.output_kind
+        if kind == "delta":
             outs = [
                 CompletionOutput(k, finish_reason="error")
                 for k, o in enumerate(st.outputs)
@@ -208,7 +212,14 @@ class OutputProcessor:
             ]
         else:
             outs = st.outputs
-            for o in outs:
+            for k, o in enumerate(outs):
+                if kind == "final_only" and o.finish_reason is None:
+                    o.token_ids, o.text = so_far(k)
+                    if st.logprobs:
+                        o.logprobs = st.logprobs[k][: len(o.token_ids)]
+                        o.cumulative_logprob = sum(
+                            d[t] for d, t in zip(o.logprobs, o.token_ids, strict=False)
+                        )
                 o.finish_reason = o.finish_reason or "error"
         return RequestOutput(
             st.request_id,

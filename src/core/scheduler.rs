@@ -325,6 +325,14 @@ impl Scheduler {
         Some(&r.token_ids[r.num_prompt_tokens..])
     }
 
+    /// The text released so far by the live fork `seq_index` of `req_id` (what its deltas have
+    /// carried; empty without detokenization): the output a request failed from outside the
+    /// core keeps.
+    pub fn output_text(&self, req_id: u64, seq_index: u32) -> Option<&str> {
+        let r = self.reqs.get(self.reqs.find_fork(req_id, seq_index)?);
+        Some(r.text.as_deref().map_or("", |t| t.released()))
+    }
+
     /// Status of the live fork `seq_index` of `req_id` (tests, debugging).
     pub fn request_status(&self, req_id: u64, seq_index: u32) -> Option<RequestStatus> {
         self.reqs.find_fork(req_id, seq_index).map(|i| self.reqs.get(i).status)

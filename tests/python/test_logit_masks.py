@@ -59,6 +59,31 @@ def test_a_step_that_finds_nothing_fails_the_request_alone(tmp_path: Path, async
     assert eng.stats()["num_free_device_blocks"] == eng.stats()["num_device_blocks"]
 
 
+def test_a_failed_request_keeps_what_it_produced_in_every_output_kind(eng: Engine) -> None:
+    """ "c" is sampled, then the grammar wants "d", which allowed_token_ids forbid: the request
+    fails after one token. "final_only" (what generate() asks for) answered no tokens at all,
+    where "cumulative" and the deltas had "c"."""
+    [c] = ids(eng, "c")
+    kw: dict[str, Any] = {
+        "allowed_token_ids": [c],
+        "structured_outputs": StructuredOutputsParams(regex="(cd)+g"),
+    }
+    got = {}
+    for kind in ("cumulative", "delta", "final_only"):
+        eng.add_request(kind, PROMPT, SamplingParams(**G, **kw, output_kind=kind, logprobs=1))
+        outs = []
+        while eng.has_unfinished_requests():
+            outs += eng.step().outputs
+        assert outs[-1].finished and outs[-1].error == NO_TOKEN
+        seqs = [o.outputs[0] for o in outs] if kind == "delta" else [outs[-1].outputs[0]]
+        toks = [t for o in seqs for t in o.token_ids]
+        lps = [lp[t] for o in seqs for lp, t in zip(o.logprobs or [], o.token_ids, strict=True)]
+        got[kind] = (toks, "".join(o.text for o in seqs), seqs[-1].finish_reason, len(lps))
+    assert got["cumulative"] == got["delta"] == got["final_only"] == ([c], "c", "error", 1)
+    out = eng.generate([PROMPT], SamplingParams(**G, **kw))[0]
+    assert (out.error, out.outputs[0].token_ids, out.outputs[0].text) == (NO_TOKEN, [c], "c")
+
+
 def test_a_grammar_keeps_the_masks(eng: Engine) -> None:
     """The grammar's fallback (min_tokens holding back its end) used to be the raw logits, which
     dropped allowed_token_ids and bad_words: "ab" came out with "b" barred."""

@@ -37,7 +37,8 @@ from ferryman.worker.calibrate import host_link_bytes_per_s, prefill_tokens_per_
 from ferryman.worker.kv_cache import KvCache
 from ferryman.worker.model_runner import ModelRunner, runner_with_pool
 from ferryman.worker.tp_devices import KvSizing, check_devices
-from ferryman.worker.tp_workers import RankSpec, SpawnedWorkers, Workers, free_port
+from ferryman.worker.tp_rendezvous import free_port
+from ferryman.worker.tp_workers import RankSpec, SpawnedWorkers, Workers
 from ferryman.worker.tp_workers import start as start_ranks
 
 log = logging.getLogger("ferryman")

@@ -32,7 +32,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class Server:
-    def __init__(self, model: Path, *args: str, log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, model: Path, *args: str, log: Path, env: dict[str, str] | None = None, new_session: bool = False
+    ) -> None:
+        """``new_session``: in a process group of its own (which a test may signal whole)."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -44,6 +47,7 @@ class Server:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
+            start_new_session=new_session,
         )
         self.log = log
         deadline = time.monotonic() + 90

@@ -28,7 +28,8 @@ from ferryman.models.config import ModelConfig
 from ferryman.models.llama import LlamaForCausalLM
 from ferryman.models.tensor_parallel import TensorParallel, shard_of
 from ferryman.sampling_params import SamplingParams
-from ferryman.worker.tp_workers import RankFailedError, free_port, init_rank
+from ferryman.worker.tp_rendezvous import free_port
+from ferryman.worker.tp_workers import RankFailedError, init_rank
 
 TOKENS = [3, 17, 42, 5, 88, 61, 7, 29, 30, 2, 55, 90]
 
@@ -223,6 +224,38 @@ def test_a_worker_that_dies_while_the_server_idles_stops_it(tmp_path: Path) -> N
     finally:
         ae.shutdown()
         eng.shutdown()
+
+
+def test_ctrl_c_to_the_process_group_drains_a_server_over_ranks(tmp_path: Path) -> None:
+    """A terminal's Ctrl-C (or a service manager's SIGTERM) reaches every process of the group:
+    the workers used to die of it at once, so the open request failed (503, the engine dead) and
+    the server exited 1. The workers ignore it now; rank 0 drains, then stops them."""
+    import httpx
+    from test_server import Server, sse
+
+    s = Server(
+        build("llama", tmp_path / "m"), "--tensor-parallel-size", "2", log=tmp_path / "log", new_session=True
+    )
+    try:
+        body = {"prompt": [3, 17, 42], "max_tokens": 40, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            os.killpg(s.proc.pid, signal.SIGINT)
+            events = sse(iter([first, *lines]))
+        assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["length"]
+        assert s.proc.wait(timeout=60) == 0
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # every process of the group has gone
+            try:
+                os.killpg(s.proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("a worker outlived the server")
+    finally:
+        s.stop()
 
 
 def test_an_idle_engine_stays_alive_past_the_collective_timeout(

@@ -8,6 +8,7 @@ it, instead of waiting out the timeout. Workers join the store, report, then the
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -24,6 +25,13 @@ JOINED = "ferryman/joined"  # the store's count of workers that reached it
 
 class RankFailedError(RuntimeError):
     """A tensor-parallel rank stopped, or the ranks are out of step: the engine cannot go on."""
+
+
+def free_port() -> int:
+    """A free TCP port on this host (for rank 0's store)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def init_rank(spec: Any, rank: int, dead: Callable[[], list[str]] | None = None) -> Any:

@@ -32,9 +32,10 @@ what of it has not run: ``worker/tp_devices.py``.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
-import socket
+import signal
 import time
 import weakref
 from collections.abc import Callable
@@ -91,12 +92,6 @@ class RankSpec:
     timeout_s: float = 60.0  # the forward's collectives (FERRYMAN_TEST_TP_TIMEOUT_S in tests)
     device: str = "cpu"  # rank 0's; rank r runs on ``tp_devices.rank_device(device, r)``
     sizing: KvSizing | None = None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def build_runner(spec: RankSpec, rank: int, plans: Any, model: Any = None) -> ModelRunner:
@@ -159,28 +154,33 @@ class Workers(Protocol):
 
     def dead(self) -> list[str]:
         """The workers that have stopped, named for an error message."""
-        ...
 
     def join(self, timeout: float) -> None:
         """Waits up to ``timeout`` seconds for every worker to return."""
-        ...
 
     def kill(self) -> None:
         """Stops every worker still running and frees what starting them took."""
-        ...
+
+
+def _spawned_main(rank: int, spec: RankSpec) -> None:
+    """``worker_main`` deaf to a process group's Ctrl-C and SIGTERM: rank 0 drains, then stops it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    worker_main(rank, spec)
 
 
 class SpawnedWorkers:
-    """The ``mp`` backend: one ``torch.multiprocessing`` spawn process per worker rank."""
+    """The ``mp`` backend: a spawned process per worker rank (deaf to SIGTERM: exiting kills them)."""
 
     def __init__(self, spec: RankSpec) -> None:
         self.spec = spec
         ctx = mp.get_context("spawn")
         self.procs = [
-            ctx.Process(target=worker_main, args=(r, spec), daemon=True) for r in range(1, spec.world)
+            ctx.Process(target=_spawned_main, args=(r, spec), daemon=True) for r in range(1, spec.world)
         ]
         for p in self.procs:
             p.start()
+        atexit.register(self.kill)  # runs before multiprocessing's (registered at its import)
 
     def dead(self) -> list[str]:
         return [f"pid {p.pid}" for p in self.procs if not p.is_alive()]

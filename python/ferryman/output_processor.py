@@ -215,7 +215,7 @@ class OutputProcessor:
             for k, o in enumerate(outs):
                 if kind == "final_only" and o.finish_reason is None:
                     o.token_ids, o.text = so_far(k)
-                    if st.logprobs:
+                    if st.logprobs and o.token_ids:  # none without tokens, as the other kinds
                         o.logprobs = st.logprobs[k][: len(o.token_ids)]
                         o.cumulative_logprob = sum(
                             d[t] for d, t in zip(o.logprobs, o.token_ids, strict=False)

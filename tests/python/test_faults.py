@@ -78,6 +78,19 @@ def test_a_non_finite_request_fails_alone(model: Path, async_scheduling: bool, m
     assert_pools_empty(eng)
 
 
+def test_a_request_failed_before_its_first_token_reads_the_same_in_every_output_kind(model: Path) -> None:
+    """final_only gave logprobs [] and cumulative_logprob 0 where the other kinds give None."""
+    eng, got = engine(model), {}
+    for kind in ("cumulative", "delta", "final_only"):
+        eng.add_request(kind, BAD, dataclasses.replace(GREEDY, logprobs=1, output_kind=kind))
+        outs = []
+        while eng.has_unfinished_requests():
+            outs += eng.step().outputs
+        o = outs[-1].outputs[0]
+        got[kind] = (o.token_ids, o.text, o.finish_reason, o.logprobs, o.cumulative_logprob)
+    assert got == dict.fromkeys(got, ([], "", "error", None, None))
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_masked_kv_positions_contribute_nothing_whatever_they_hold(
     model: Path, async_scheduling: bool

@@ -19,8 +19,10 @@ from safetensors.torch import load_file, save_file
 from tiny_models import build
 
 from ferryman import Engine
+from ferryman.outputs import Logprob
 from ferryman.server.app import build_app
 from ferryman.server.async_engine import AsyncEngine
+from ferryman.server.updates import Delta, Update
 
 GREEDY = {"temperature": 0, "max_output_tokens": 8}
 CITY = {
@@ -209,6 +211,59 @@ def test_function_calls_and_their_outputs_round_trip(client: TestClient, sdk: op
     )
     assert again.usage is not None and again.usage.input_tokens == c["usage"]["prompt_tokens"]
     assert again.output_text == (c["choices"][0]["message"]["content"] or "")
+
+
+def script(monkeypatch: pytest.MonkeyPatch, pieces: list[tuple[str, list[int]]]) -> None:
+    """The model's answer, as text pieces and their token ids (each token's logprob -0.5), in
+    place of the engine's: what a tiny random model would never write (a call after text)."""
+
+    async def add_all(self: AsyncEngine, prompts: list[Any], params: Any, *_: Any, **__: Any) -> list[Any]:
+        async def one() -> Any:
+            for i, (text, ids) in enumerate(pieces):
+                lps = [{t: Logprob(-0.5)} for t in ids] if params.logprobs is not None else None
+                last = i == len(pieces) - 1
+                yield Update([Delta(0, text, ids, lps, "stop" if last else None)], last, 5)
+
+        return [one() for _ in prompts]
+
+    monkeypatch.setattr(AsyncEngine, "add_all", add_all)
+
+
+def test_a_messages_logprobs_are_its_texts_tokens(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Text, then a call: the call's tokens used to be in the message's logprobs (58 where its
+    text has 3), and only the 3 streamed. A last token without text (an EOS) adds its logprob in a
+    delta of its own: the deltas' logprobs add up to the part's."""
+    call = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}'
+    pieces = [(t, [ord(c) for c in t]) for t in ["Hi ", "<tool_call>\n", call, "\n</tool_call>"]]
+    script(monkeypatch, pieces)
+    ask = {"input": "x", "tools": [TOOL], "include": ["message.output_text.logprobs"]}
+    r = respond(client, ask)
+    msg, fn = r["output"]
+    assert msg["content"][0]["text"] == "Hi " and len(msg["content"][0]["logprobs"]) == 3
+    assert fn["type"] == "function_call" and json.loads(fn["arguments"]) == {"city": "Oslo", "unit": "c"}
+    evs = events(client, ask)
+    deltas = [lp for e in evs if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
+    [done] = [e for e in evs if e["type"] == "response.output_text.done"]
+    assert len(deltas) == len(done["logprobs"]) == 3
+    script(monkeypatch, [("ab", [97, 98]), ("", [2])])
+    evs = events(client, {"input": "x", "include": ["message.output_text.logprobs"]})
+    deltas = [lp for e in evs if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
+    [done] = [e for e in evs if e["type"] == "response.output_text.done"]
+    assert len(deltas) == len(done["logprobs"]) == 3 and done["text"] == "ab"
+
+
+def test_a_call_nested_too_deeply_to_parse_is_text(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """JSON nested past Python's recursion limit in what the model wrote: a 400 blaming the
+    request, and a stream cut off with no event; it is the answer's text now."""
+    text = "Sure. <tool_call>\n" + "[" * 3000
+    script(monkeypatch, [(text, [1])])
+    r = respond(client, {"input": "x", "tools": [TOOL]})
+    assert r["output"][0]["content"][0]["text"] == text and r["status"] == "completed"
+    assert events(client, {"input": "x", "tools": [TOOL]})[-1]["type"] == "response.completed"
 
 
 def test_a_json_schema_format_constrains_the_text(client: TestClient) -> None:

@@ -15,6 +15,7 @@ with the whole response. An engine that dies or fails the request mid-stream end
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -30,6 +31,8 @@ from ferryman.server.async_engine import EngineDeadError, RequestFailedError, Up
 from ferryman.server.chat_route import Submit
 from ferryman.server.errors import ApiError, generation
 
+log = logging.getLogger("ferryman.server")
+
 
 class _Answer:
     """One response's output as it grows: text, calls, logprobs, finish reason, usage."""
@@ -37,7 +40,10 @@ class _Answer:
     def __init__(self, rid: str, lp: Callable[[list[int], list[Any]], list[api.ChatTokenLogprob]] | None):
         self.msg_id, self.lp = f"msg_{rid}", lp
         self.text: list[str] = []
+        # of the tokens whose text is the message's; those of tokens held back (a call may begin)
+        # wait in `held`: they join once their text is released, or are dropped as a call's
         self.logprobs: list[api.ChatTokenLogprob] = []
+        self.held: list[api.ChatTokenLogprob] = []
         self.calls: list[tool_calls.Call] = []
         self.reason: str | None = None
         self.prompt: dict[int, tuple[int, int]] = {}
@@ -104,14 +110,20 @@ def add_responses_route(
             for d in u.deltas:
                 answer.num_tokens += len(d.token_ids)
                 if answer.lp is not None:
-                    answer.logprobs += answer.lp(d.token_ids, d.logprobs or [])
-                out += split.feed(d.text) if split is not None else d.text
+                    answer.held += answer.lp(d.token_ids, d.logprobs or [])
+                text = split.feed(d.text) if split is not None else d.text
                 if d.finish_reason is not None:
                     answer.reason = d.finish_reason
                     if split is not None:
                         rest, calls = split.finish()
                         answer.calls = calls[:1] if one_call else calls
-                        out += rest
+                        text += rest
+                        if answer.calls:  # what was held spelled the calls
+                            answer.held.clear()
+                if text or (d.finish_reason is not None and not answer.calls):
+                    answer.logprobs += answer.held
+                    answer.held.clear()
+                out += text
             answer.text.append(out)
             return out
 
@@ -189,7 +201,7 @@ async def _events(
         shown = 0  # logprobs sent so far (a token whose text is held back sends its own later)
         async for _, u in responses.merge(streams):
             text = feed(u)
-            if text:
+            if text or len(answer.logprobs) > shown:  # a last token may add logprobs, no text
                 for e in [] if opened else open_message():
                     yield e
                 yield event(
@@ -219,12 +231,14 @@ async def _events(
                 )
             yield event("response.output_item.done", output_index=i, item=item)
         yield event(f"response.{done.status}", response=done)
-    except (EngineDeadError, RequestFailedError) as e:
-        err = (
-            ApiError(503, str(e), "server_error")
-            if isinstance(e, EngineDeadError)
-            else ApiError(e.status, str(e), e.type)
-        )
+    except Exception as e:  # the stream has started: the failure can only be told in it
+        if isinstance(e, EngineDeadError):
+            err = ApiError(503, str(e), "server_error")
+        elif isinstance(e, RequestFailedError):
+            err = ApiError(e.status, str(e), e.type)
+        else:
+            log.exception("a streamed response failed")
+            err = ApiError(500, f"internal error: {type(e).__name__}", "server_error")
         info = err.body.error
         yield event("error", code=info.type, message=info.message, param=None)
         yield event(

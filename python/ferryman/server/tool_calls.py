@@ -57,7 +57,15 @@ def _call(obj: Any, key: str) -> Call | None:
 
 def parse(text: str, choice: ToolChoice, parser: Parser) -> tuple[str | None, list[Call]]:
     """(content, calls) of a whole answer; an answer that does not hold well-formed calls is all
-    content."""
+    content, one nested too deeply for json to read or write too (what the model wrote is never
+    the request's fault)."""
+    try:
+        return _parse(text, choice, parser)
+    except RecursionError:
+        return text, []
+
+
+def _parse(text: str, choice: ToolChoice, parser: Parser) -> tuple[str | None, list[Call]]:
     if isinstance(choice, NamedToolChoice):
         args = _arguments(text)
         return (text, []) if args is None else (None, [Call(choice.function.name, args)])

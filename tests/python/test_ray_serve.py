@@ -46,7 +46,11 @@ class RayServer:
     """``ferryman serve --ray`` in a subprocess; up once it says it is serving (after Serve has
     deployed every replica)."""
 
-    def __init__(self, model: Path, replicas: int, log: Path, routing: str) -> None:
+    def __init__(
+        self, model: Path, replicas: int, log: Path, routing: str, until_health: bool = False
+    ) -> None:
+        """``until_health``: up once ``/health`` answers, which Serve's proxy may before the
+        command has seen its deployment through."""
         self.routing = routing
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -60,11 +64,17 @@ class RayServer:
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 240
-        while "ferryman: serving" not in log.read_text():
+        while not (self._healthy() if until_health else "ferryman: serving" in log.read_text()):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"ferryman serve --ray did not come up:\n{log.read_text()}")
             time.sleep(0.2)
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -135,6 +145,17 @@ EXTRA = {"ignore_eos": True}
 @pytest.fixture(scope="module")
 def model(server: RayServer) -> str:
     return str(httpx.get(server.url + "/v1/models").json()["data"][0]["id"])
+
+
+def test_sigterm_as_soon_as_health_answers_stops_serve_and_ray_with_status_0(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """The handlers came after serve.run returned, while /health already answered: a SIGTERM in
+    between fell to Ray's handler, which aborted the command (-6) and left Ray's agents running.
+    First in the file: no other server (nor its Ray cluster) runs beside it."""
+    s = RayServer(model_dir, 1, tmp_path / "log", "load", until_health=True)
+    assert s.stop() == 0, s.log.read_text()
+    assert "SIGTERM received" not in s.log.read_text()
 
 
 def test_completion_and_chat_match_the_offline_engine(server: RayServer, offline: Engine) -> None:

@@ -232,6 +232,10 @@ def serve_replicas(
     )
     ray.init(address=ray_address, include_dashboard=False, log_to_driver=True)
     stop = threading.Event()
+    # from here, not once deployed: Serve's proxy answers while serve.run still waits, and Ray's
+    # own handler aborts the driver, leaving the cluster's processes behind
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": host, "port": port})
         try:
@@ -239,8 +243,6 @@ def serve_replicas(
         except Exception as e:  # a replica that cannot build its engine fails the deployment
             print(f"ferryman: the Ray Serve application failed to deploy: {e}", file=sys.stderr, flush=True)
             return 1
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
         print(
             f"ferryman: serving {served_model_name or args.model!r} on http://{host}:{port} "
             f"({num_replicas} Ray Serve replicas, routed by {routing})",

@@ -26,6 +26,16 @@ def test_the_routing_text_of_each_kind_of_body() -> None:
         ]
     }
     assert routing_text(json.dumps(chat).encode()) == "Be brief. Hi"
+    response = {
+        "instructions": "Be brief. ",
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+            {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c", "output": " sunny"},
+        ],
+    }
+    assert routing_text(json.dumps(response).encode()) == "Be brief. Hi sunny"
+    assert routing_text(json.dumps({"input": "Hi"}).encode()) == "Hi"
     for body in (b"not json", b"[1, 2]", b"{}", b"[" * 100_000 + b"]" * 100_000):
         assert routing_text(body) == ""
 
@@ -149,3 +159,31 @@ def test_a_client_that_leaves_cancels_the_app_and_the_replica_stream() -> None:
     sent = asyncio.run(run())
     assert [m.get("body") for m in sent if m["type"] == "http.response.body"] == [b"data: first\n\n"]
     assert streams[0].cancelled
+
+
+def test_a_response_is_routed_by_its_text() -> None:
+    """/v1/responses was forwarded as a route that fills no KV cache: by load alone."""
+    app, calls = app_with_a_stream(asyncio.Event()), []
+
+    def call(req: Forwarded, by_prompt: bool) -> ReplicaStream:
+        calls.append((req, by_prompt))
+        return ReplicaStream(app, req)
+
+    body = json.dumps({"instructions": "Be brief. ", "input": "Hi"}).encode()
+
+    async def run() -> None:
+        events = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict[str, object]:
+            return events.pop(0) if events else {"type": "http.disconnect"}
+
+        async def send(_: dict[str, object]) -> None:
+            pass
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/responses", "root_path": ""}
+        scope["headers"] = [(b"content-type", b"application/json")]
+        await relay_app(call)(scope, receive, send)  # type: ignore[arg-type]
+
+    asyncio.run(run())
+    ((req, by_prompt),) = calls
+    assert by_prompt and req.prompt == "Be brief. Hi"

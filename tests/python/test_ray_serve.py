@@ -319,6 +319,15 @@ def test_a_client_that_leaves_a_non_streamed_request_aborts_it(server: RayServer
     assert total(after, generated) - total(before, generated) < 240
 
 
+def test_each_answer_carries_one_request_id_and_responses_are_served(server: RayServer) -> None:
+    """Serve's proxy tags answers with x-request-id itself: the replica's app added a second."""
+    ask = {"input": "hi", "max_output_tokens": 2, "temperature": 0}
+    r = httpx.post(server.url + "/v1/responses", json=ask, headers={"x-request-id": "mine-1"}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 2
+    assert r.headers.get_list("x-request-id") == ["mine-1"]
+    assert len(httpx.get(server.url + "/health").headers.get_list("x-request-id")) == 1
+
+
 def test_sigterm_stops_serve_and_ray_with_status_0(server: RayServer) -> None:
     assert server.stop() == 0
     with pytest.raises(httpx.TransportError):

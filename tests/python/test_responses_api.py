@@ -15,6 +15,8 @@ import jsonschema
 import openai
 import pytest
 from fastapi.testclient import TestClient
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 from safetensors.torch import load_file, save_file
 from tiny_models import build
 
@@ -87,6 +89,7 @@ def test_a_response_answers_as_the_chat_endpoint_does(client: TestClient, sdk: o
             "max_tokens": 8,
         },
     )
+    Response.model_validate(r)  # every field OpenAI's own model requires, of its types
     [msg] = r["output"]
     assert msg["type"] == "message" and msg["role"] == "assistant"
     assert msg["content"][0]["text"] == c["choices"][0]["message"]["content"]
@@ -120,6 +123,8 @@ def test_a_response_answers_as_the_chat_endpoint_does(client: TestClient, sdk: o
 def test_a_streamed_response_is_openais_event_sequence(client: TestClient, sdk: openai.OpenAI) -> None:
     whole = respond(client, {"input": "hi", **GREEDY})["output"][0]["content"][0]["text"]
     evs = events(client, {"input": "hi", **GREEDY})
+    for e in evs:
+        TypeAdapter(ResponseStreamEvent).validate_python(e)
     kinds = [e["type"] for e in evs]
     assert kinds[:4] == [
         "response.created",

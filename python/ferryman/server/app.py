@@ -49,12 +49,14 @@ def build_app(
     allowed_origins: Sequence[str] = ("*",),
     api_key: str | None = None,
     aliases: Sequence[str] = (),
+    request_ids: bool = True,
 ) -> FastAPI:
     """The API over ``engine``; browsers on ``allowed_origins`` may call it (CORS, vLLM's default:
     every origin, no credentials; none: no CORS headers). With ``api_key``, every ``/v1`` route
     needs ``Authorization: Bearer <api_key>`` (401 otherwise), as vLLM's ``--api-key``. Requests
     may name the model ``served_model_name`` or one of its ``aliases`` (vLLM's further served
-    names); answers carry the first."""
+    names); answers carry the first. ``request_ids``: every answer carries ``x-request-id``
+    (off behind a proxy that adds it, as Ray Serve's)."""
     names = [served_model_name, *aliases]
 
     @asynccontextmanager
@@ -66,7 +68,9 @@ def build_app(
             engine.shutdown()
 
     app = FastAPI(title="ferryman", lifespan=lifespan)
-    install_error_handlers(app, api_key)  # inside CORS (added before it): refusals get its headers
+    install_error_handlers(
+        app, api_key, request_ids
+    )  # inside CORS (added before it): refusals get its headers
 
     if allowed_origins:  # outermost (added last), so its headers are on every answer, errors included
         app.add_middleware(

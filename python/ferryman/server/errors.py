@@ -153,14 +153,15 @@ class RequestIds:
         await self.app(scope, receive, tagged)
 
 
-def install_error_handlers(app: FastAPI, api_key: str | None = None) -> None:
+def install_error_handlers(app: FastAPI, api_key: str | None = None, request_ids: bool = True) -> None:
     """The error handlers and middleware (``api_key``: ``ApiKey``; None or "" is no key, as in
-    vLLM: no client sends an empty bearer token)."""
+    vLLM: no client sends an empty bearer token; ``request_ids``: ``RequestIds``)."""
     app.add_middleware(JsonBodies)
     if api_key:
         app.add_middleware(ApiKey, key=api_key)
     app.add_middleware(ServerFaults)
-    app.add_middleware(RequestIds)  # around them: their 415s, 401s and 500s carry the header too
+    if request_ids:
+        app.add_middleware(RequestIds)  # around them: their 415s, 401s and 500s carry the header too
 
     @app.exception_handler(RecursionError)
     async def _deep(_: Request, e: RecursionError) -> JSONResponse:

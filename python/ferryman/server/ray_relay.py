@@ -7,9 +7,10 @@ matches. The replica runs it through its own copy of the single-server app (``ru
 streams the ASGI messages back, which the ingress sends on unchanged: every route, error body,
 stream and header is the single server's.
 
-- **Routing text**: of a POST to ``/v1/completions`` or ``/v1/chat/completions`` only, a
-  completion's prompt (token ids as ``"1,2,3,"``, so a shared prefix of ids is a shared prefix
-  of text), a chat's message contents in order. A request that has none (a GET, ``/tokenize``,
+- **Routing text**: of a POST to ``/v1/completions``, ``/v1/chat/completions`` or
+  ``/v1/responses`` only, a completion's prompt (token ids as ``"1,2,3,"``, so a shared prefix
+  of ids is a shared prefix of text), a chat's message contents in order, a response's
+  instructions and input texts. A request that has none (a GET, ``/tokenize``,
   a body that is not JSON) travels as a keyword argument, which the prefix router skips: it
   routes by load alone, never into the prefix tree.
 - **Disconnects**: a client that hangs up cancels the ingress's handler; it cancels the handle
@@ -55,7 +56,8 @@ def _text(content: Any) -> str:
 
 
 def routing_text(body: bytes) -> str:
-    """The text of a completion's prompt or a chat's messages, "" when the body has neither."""
+    """The text of a completion's prompt, a chat's messages or a response's input, "" when the
+    body has none."""
     try:
         data = json.loads(body)
     except (ValueError, RecursionError):  # the replica answers such a body with its 400
@@ -73,6 +75,11 @@ def routing_text(body: bytes) -> str:
         return "".join(f"{t}," for t in ids if isinstance(t, int))
     if isinstance(messages, list):
         return "".join(_text(m.get("content")) for m in messages if isinstance(m, dict))
+    items = data.get("input")  # a response's: its instructions, then its input's texts
+    if isinstance(items, list):
+        items = "".join(_text(m.get("content", m.get("output"))) for m in items if isinstance(m, dict))
+    if isinstance(items, str):
+        return _text(data.get("instructions")) + items
     return ""
 
 
@@ -152,7 +159,7 @@ def relay_app(call: Callable[[Forwarded, bool], Any]) -> Asgi:
             if not event.get("more_body", False):
                 break
         body = b"".join(chunks)
-        generating = scope["method"] == "POST" and scope["path"].endswith("/completions")
+        generating = scope["method"] == "POST" and scope["path"].endswith(("/completions", "/v1/responses"))
         text = routing_text(body) if generating else ""  # only what fills a KV cache steers
         req = Forwarded(
             scope["method"], scope["path"], scope.get("root_path", ""), scope.get("query_string", b""),

@@ -97,7 +97,8 @@ class FerrymanReplica:
         engine = Engine.from_engine_args(args)
         metrics = Metrics(engine.scheduler.config, served_model_name)
         self.engine = AsyncEngine(engine, metrics=metrics, max_waiting=max_waiting)
-        self.openai_app = build_app(self.engine, served_model_name)
+        # Serve's proxy puts x-request-id on every answer itself (the client's, else its own)
+        self.openai_app = build_app(self.engine, served_model_name, request_ids=False)
         self.openai_app.add_middleware(_ReplicaHeader, replica=serve.get_replica_context().replica_tag)
         self.engine.start()  # what the app's lifespan does under a plain server
 

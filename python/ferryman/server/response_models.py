@@ -207,6 +207,7 @@ class ResponseError(BaseModel):
 
 class InputTokensDetails(BaseModel):
     cached_tokens: int
+    cache_write_tokens: int = 0  # OpenAI's; the prefix cache here writes as it computes
 
 
 class OutputTokensDetails(BaseModel):

@@ -158,6 +158,32 @@ def test_sigterm_as_soon_as_health_answers_stops_serve_and_ray_with_status_0(
     assert "SIGTERM received" not in s.log.read_text()
 
 
+# serve.run waiting for good (a replica the cluster has no room for): Serve stands in here, as the
+# wait is the point; the signal handling around it is ferryman's own
+NEVER_DEPLOYS = """
+import os, signal, sys, threading, time
+import ferryman.server.ray_serve as rs
+from unittest import mock
+sys.modules["ray"] = mock.MagicMock()
+rs.build_application = lambda *a, **k: None
+rs.serve = mock.MagicMock()
+rs.serve.run = lambda *a, **k: time.sleep(3600)
+threading.Timer(1.0, os.kill, (os.getpid(), signal.SIG%s)).start()
+print("rc", rs.serve_replicas(mock.MagicMock(), num_replicas=1), flush=True)
+"""
+
+
+@pytest.mark.parametrize("sig", ["INT", "TERM"])
+def test_a_signal_while_deploying_stops_the_command(sig: str) -> None:
+    """The handlers only set a flag that nothing read until serve.run returned: a deployment that
+    never completes could then only be killed (-9), skipping Serve's and Ray's shutdown."""
+    out = subprocess.run(
+        [sys.executable, "-c", NEVER_DEPLOYS % sig], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "rc 0", out.stdout + out.stderr
+    assert "stopped while deploying" in out.stderr
+
+
 def test_completion_and_chat_match_the_offline_engine(server: RayServer, offline: Engine) -> None:
     import openai
 

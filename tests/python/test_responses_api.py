@@ -262,8 +262,8 @@ def test_a_messages_logprobs_are_its_texts_tokens(
 def test_a_call_nested_too_deeply_to_parse_is_text(
     client: TestClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """JSON nested past Python's recursion limit in what the model wrote: a 400 blaming the
-    request, and a stream cut off with no event; it is the answer's text now."""
+    """JSON nested past Python's recursion limit in what the model wrote is the answer's text
+    (it was a 400 blaming the request, and a stream cut off with no event)."""
     text = "Sure. <tool_call>\n" + "[" * 3000
     script(monkeypatch, [(text, [1])])
     r = respond(client, {"input": "x", "tools": [TOOL]})

@@ -232,15 +232,25 @@ def serve_replicas(
         routing=routing,
     )
     ray.init(address=ray_address, include_dashboard=False, log_to_driver=True)
-    stop = threading.Event()
+    stop, deployed = threading.Event(), threading.Event()
+
+    def on_signal(*_: Any) -> None:
+        stop.set()
+        if not deployed.is_set():  # out of serve.run's wait (it may never end: no room for a replica)
+            raise KeyboardInterrupt
+
     # from here, not once deployed: Serve's proxy answers while serve.run still waits, and Ray's
     # own handler aborts the driver, leaving the cluster's processes behind
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     try:
-        serve.start(http_options={"host": host, "port": port})
         try:
+            serve.start(http_options={"host": host, "port": port})
             serve.run(app, name=DEFAULT_NAME, route_prefix="/")
+            deployed.set()
+        except KeyboardInterrupt:
+            print("ferryman: stopped while deploying", file=sys.stderr, flush=True)
+            return 0
         except Exception as e:  # a replica that cannot build its engine fails the deployment
             print(f"ferryman: the Ray Serve application failed to deploy: {e}", file=sys.stderr, flush=True)
             return 1

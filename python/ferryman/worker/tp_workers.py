@@ -22,12 +22,11 @@ the next step after a Ctrl-C in one: a rank that stopped mid-step leaves the oth
 
 With async scheduling a plan may hold decode inputs whose token is still in flight; only rank 0
 holds the previous step's sampled ids, so it broadcasts them over the model's group right after
-the plan, and each rank fills those inputs on its device as rank 0's runner does. Nothing waits
-on the host: on CUDA that broadcast queues behind rank 0's sampling like any kernel. Start-up
-calibration runs its prefill forward through this runner, so every rank takes part. Before any
-collective of the model's, every rank reports over the plans' group that it has loaded its
-slice, so a rank that failed to load fails the start-up on every rank. What differs on CUDA, and
-what of it has not run: ``worker/tp_devices.py``.
+the plan, and each rank fills those inputs on its device as rank 0's runner does (on CUDA that
+broadcast queues behind rank 0's sampling). Calibration's prefill runs through this runner, so
+every rank takes part. Before the model's first collective every rank reports over the plans'
+group that its slice loaded, so a rank that failed fails the start-up everywhere. What differs
+on CUDA, and what of it has not run: ``worker/tp_devices.py``.
 """
 
 from __future__ import annotations
@@ -170,7 +169,7 @@ def _spawned_main(rank: int, spec: RankSpec) -> None:
 
 
 class SpawnedWorkers:
-    """The ``mp`` backend: a spawned process per worker rank (deaf to SIGTERM: exiting kills them)."""
+    """The ``mp`` backend: a spawned process per worker rank (deaf to SIGTERM: ``_stop`` kills them)."""
 
     def __init__(self, spec: RankSpec) -> None:
         self.spec = spec
@@ -180,7 +179,6 @@ class SpawnedWorkers:
         ]
         for p in self.procs:
             p.start()
-        atexit.register(self.kill)  # runs before multiprocessing's (registered at its import)
 
     def dead(self) -> list[str]:
         return [f"pid {p.pid}" for p in self.procs if not p.is_alive()]
@@ -243,8 +241,8 @@ class _Ranks:
 
 
 def _stop(ranks: _Ranks) -> None:
-    """Stops the workers and leaves the group: idle workers exit on the ``None`` plan; after a
-    broken step they may sit in a collective until it times out (60 s), so they are killed."""
+    """Stops the workers and leaves the group: idle workers exit on the ``None`` plan; those left
+    (after a broken step they may sit in a collective until it times out, 60 s) are killed."""
     if not ranks.broken:
         # a worker already gone (gloo raises plain RuntimeErrors), or the group already destroyed
         with contextlib.suppress(RuntimeError, ValueError):
@@ -261,10 +259,11 @@ class TensorParallelRunner:
 
     def __init__(self, local: ModelRunner, workers: Workers, plans: Any) -> None:
         self.local, self.workers, self.plans = local, workers, plans
-        self.plan_send_s, self.num_plans = 0.0, 0
-        self.num_inputs_filled = 0  # tokens in flight the workers filled from sent ids (async)
+        self.plan_send_s, self.num_plans, self.num_inputs_filled = 0.0, 0, 0  # the last: sent ids (async)
         self.ranks = _Ranks(workers, plans)
         self._stopper = weakref.finalize(self, _stop, self.ranks)  # once: shutdown, drop or exit
+        self._stopper.atexit = False  # at exit before multiprocessing's hook (its SIGTERM is ignored)
+        atexit.register(self._stopper)
 
     def execute(
         self, out: Any, prev: torch.Tensor | None = None, also: np.ndarray | None = None
@@ -295,6 +294,7 @@ class TensorParallelRunner:
     def shutdown(self) -> None:
         """Stops the workers and leaves the group (``_stop``), once."""
         self._stopper()
+        atexit.unregister(self._stopper)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.local, name)

@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -355,6 +356,30 @@ def test_each_answer_carries_one_request_id_and_responses_are_served(server: Ray
 
 
 def test_sigterm_stops_serve_and_ray_with_status_0(server: RayServer) -> None:
+    """A request in flight finishes first: serve.shutdown alone killed Serve's proxy, cutting it."""
+    from test_server import sse
+
+    ends: list[str] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        body = {"prompt": "hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            started.set()
+            ends.extend(
+                c["finish_reason"]
+                for e in sse(iter([first, *lines]))
+                for c in e["choices"]
+                if c["finish_reason"]
+            )
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(timeout=60)
     assert server.stop() == 0
+    t.join(timeout=60)
+    assert ends == ["length"]
     with pytest.raises(httpx.TransportError):
         httpx.get(server.url + "/health", timeout=2)

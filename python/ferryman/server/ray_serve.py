@@ -263,6 +263,9 @@ def serve_replicas(
         while not stop.wait(1.0):
             pass
         print("ferryman: shutting the replicas down", file=sys.stderr, flush=True)
+        # the application first, while Serve's proxy still carries the answers: each replica
+        # finishes its requests (graceful_shutdown_timeout_s); serve.shutdown kills the proxy
+        serve.delete(DEFAULT_NAME)
         return 0
     finally:
         serve.shutdown()

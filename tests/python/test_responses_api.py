@@ -102,6 +102,7 @@ def test_a_response_answers_as_the_chat_endpoint_does(client: TestClient, sdk: o
         c["usage"]["prompt_tokens"] + 8,
     )
     assert r["object"] == "response" and r["model"] == "tiny" and r["metadata"] == {"k": "v"}
+    assert r["id"].startswith("resp_") and msg["id"] == "msg_" + r["id"].removeprefix("resp_")
     assert (r["instructions"], r["max_output_tokens"], r["temperature"], r["store"]) == (
         "Be brief.",
         8,

@@ -37,8 +37,8 @@ log = logging.getLogger("ferryman.server")
 class _Answer:
     """One response's output as it grows: text, calls, logprobs, finish reason, usage."""
 
-    def __init__(self, rid: str, lp: Callable[[list[int], list[Any]], list[api.ChatTokenLogprob]] | None):
-        self.msg_id, self.lp = f"msg_{rid}", lp
+    def __init__(self, key: str, lp: Callable[[list[int], list[Any]], list[api.ChatTokenLogprob]] | None):
+        self.msg_id, self.lp = f"msg_{key}", lp
         self.text: list[str] = []
         # of the tokens whose text is the message's; those of tokens held back (a call may begin)
         # wait in `held`: they join once their text is released, or are dropped as a call's
@@ -92,6 +92,7 @@ def add_responses_route(
         choice = chat.effective_tool_choice()
         prompt = chat.render(tokenizer)
         rid, streams = await submit("resp", [prompt], params, chat.add_special_tokens)
+        key = rid.removeprefix("resp-")  # OpenAI's ids: resp_<key>, msg_<key>
         created = int(time.time())
         top_n, raw = params.logprobs or 0, token_bytes.get() if params.logprobs is not None else None
 
@@ -99,7 +100,7 @@ def add_responses_route(
             got = responses.chat_logprobs(toks, lps, token_str, top_n, raw)
             return got.content if got is not None else []
 
-        answer = _Answer(rid, lp if params.logprobs is not None else None)
+        answer = _Answer(key, lp if params.logprobs is not None else None)
         split = tool_calls.Streamer(choice, parser) if body.tools and choice != "none" else None
         one_call = body.parallel_tool_calls is False
 
@@ -130,7 +131,7 @@ def add_responses_route(
         def response(status: str, error: rm.ResponseError | None = None) -> rm.ResponseObject:
             done = status in ("completed", "incomplete")
             return rm.ResponseObject(
-                id=rid,
+                id=f"resp_{key}",
                 created_at=created,
                 status=status,  # type: ignore[arg-type]
                 model=served_model_name,

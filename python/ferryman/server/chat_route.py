@@ -68,19 +68,19 @@ def add_chat_route(
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
-            split = {k: tool_calls.Streamer(choice, parser) for k in range(params.n)} if with_tools else {}
+            split = (
+                {k: tool_calls.Streamer(choice, parser, one_call) for k in range(params.n)}
+                if with_tools
+                else {}
+            )
 
             def chunk_choice(_: int, d: Delta, __: Update) -> api.ChatChunkChoice | None:
                 lp = responses.chat_logprobs(d.token_ids, d.logprobs, name, top_n, raw) if want_lp else None
                 content: str | None = d.text
                 calls: list[tool_calls.Call] = []
                 if with_tools:
-                    content = split[d.index].feed(d.text)
-                    if d.finish_reason is not None:
-                        rest, calls = split[d.index].finish()
-                        calls = calls[:1] if one_call else calls
-                        content += rest
-                    content = content or None
+                    text, calls = split[d.index].step(d.text, d.finish_reason is not None)
+                    content = text or None
                 delta_calls = [
                     api.DeltaToolCall(
                         index=j, id=c.id, function=api.FunctionCall(name=c.name, arguments=c.arguments)

@@ -101,8 +101,8 @@ def add_responses_route(
             return got.content if got is not None else []
 
         answer = _Answer(key, lp if params.logprobs is not None else None)
-        split = tool_calls.Streamer(choice, parser) if body.tools and choice != "none" else None
-        one_call = body.parallel_tool_calls is False
+        with_tools = body.tools and choice != "none"
+        split = tool_calls.Streamer(choice, parser, body.parallel_tool_calls is False) if with_tools else None
 
         def feed(u: Update) -> str:
             """Takes in one update; the text it releases (with tools, held while a call may begin)."""
@@ -112,16 +112,13 @@ def add_responses_route(
                 answer.num_tokens += len(d.token_ids)
                 if answer.lp is not None:
                     answer.held += answer.lp(d.token_ids, d.logprobs or [])
-                text = split.feed(d.text) if split is not None else d.text
-                if d.finish_reason is not None:
-                    answer.reason = d.finish_reason
-                    if split is not None:
-                        rest, calls = split.finish()
-                        answer.calls = calls[:1] if one_call else calls
-                        text += rest
-                        if answer.calls:  # what was held spelled the calls
-                            answer.held.clear()
-                if text or (d.finish_reason is not None and not answer.calls):
+                done = d.finish_reason is not None
+                text, calls = split.step(d.text, done) if split is not None else (d.text, [])
+                if done:
+                    answer.reason, answer.calls = d.finish_reason, calls
+                if calls:  # what was held spelled the calls
+                    answer.held.clear()
+                if text or (done and not calls):
                     answer.logprobs += answer.held
                     answer.held.clear()
                 out += text

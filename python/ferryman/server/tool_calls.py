@@ -118,10 +118,11 @@ class Streamer:
     """Splits a streamed answer into content deltas and calls. With ``auto``, content streams as
     it comes until a call may begin (``<tool_call>``; for llama3_json an answer that starts with
     ``{`` or ``<|python_tag|>``); from there the text is held and parsed when the sequence
-    finishes. The constrained choices hold everything (their answer is the calls)."""
+    finishes. The constrained choices hold everything (their answer is the calls). ``one_call``:
+    at most the first call (``parallel_tool_calls: false``)."""
 
-    def __init__(self, choice: ToolChoice, parser: Parser) -> None:
-        self.choice, self.parser = choice, parser
+    def __init__(self, choice: ToolChoice, parser: Parser, one_call: bool = False) -> None:
+        self.choice, self.parser, self.one_call = choice, parser, one_call
         self.text, self.sent = "", 0  # all text so far; characters of it released as content
         self.mode = "content" if choice == "none" else "hold" if choice != "auto" else "open"
         if self.mode == "open" and parser == "llama3_json":
@@ -148,9 +149,18 @@ class Streamer:
         out, self.sent = self.text[self.sent : end], max(self.sent, end)
         return out
 
+    def step(self, delta: str, finished: bool) -> tuple[str, list[Call]]:
+        """The content to send now for ``delta`` and, once ``finished``, the calls (``finish``)."""
+        content = self.feed(delta)
+        if not finished:
+            return content, []
+        rest, calls = self.finish()
+        return content + rest, calls
+
     def finish(self) -> tuple[str, list[Call]]:
         """At the end: the content still to send, and the calls."""
         _, calls = parse(self.text, self.choice, self.parser)
+        calls = calls[:1] if self.one_call else calls
         if not calls:
             rest, self.sent = self.text[self.sent :], len(self.text)
             return rest, []

@@ -35,7 +35,7 @@ from ferryman.server.async_engine import (
     EngineDeadError,
     Update,
 )
-from ferryman.server.chat_route import add_chat_route
+from ferryman.server.chat_route import ChatRoutes, add_chat_route
 from ferryman.server.errors import ERRORS, ApiError, generation, install_error_handlers
 from ferryman.server.responses_route import add_responses_route
 from ferryman.server.tokenize_routes import add_tokenizer_routes
@@ -270,7 +270,8 @@ def build_app(
 
         return await handling.run_collect(request, collect(), streams)
 
-    add_chat_route(app, tokenizer, served_model_name, check, submit, token_str, defaults)
-    add_responses_route(app, tokenizer, served_model_name, check, submit, token_str, defaults)
+    chat = ChatRoutes(tokenizer, served_model_name, check, submit, token_str, defaults)
+    add_chat_route(app, chat)
+    add_responses_route(app, chat)
 
     return app

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -36,40 +37,49 @@ def _reason(reason: str | None, calls: list[tool_calls.Call], choice: tools.Tool
     return "tool_calls" if calls and reason == "stop" and not forced else reason
 
 
-def add_chat_route(
-    app: FastAPI,
-    tokenizer: Any,
-    served_model_name: str,
-    check: Callable[[str | None], None],
-    submit: Submit,
-    token_str: Callable[[int], str],
-    defaults: dict[str, Any],
-) -> None:
-    """``defaults``: the model's sampling defaults (generation_config.json)."""
-    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
-    parser = tools.pick_parser(template if isinstance(template, str) else None)  # of calls in the text
-    token_bytes = responses.TokenBytesOf(tokenizer)  # logprobs' bytes
+@dataclass
+class ChatRoutes:
+    """What the routes that render the chat template share (``/v1/chat/completions``,
+    ``/v1/responses``): the engine's tokenizer and sampling defaults (generation_config.json), the
+    served name, the admission check, ``submit``, how logprobs name a token, and what is built
+    once from the tokenizer: the parser of calls in the text and the tokens' bytes."""
 
+    tokenizer: Any
+    served_model_name: str
+    check: Callable[[str | None], None]
+    submit: Submit
+    token_str: Callable[[int], str]
+    defaults: dict[str, Any]
+    parser: tools.Parser = field(init=False)
+    token_bytes: responses.TokenBytesOf = field(init=False)
+
+    def __post_init__(self) -> None:
+        template = getattr(self.tokenizer, "chat_template", None) if self.tokenizer is not None else None
+        self.parser = tools.pick_parser(template if isinstance(template, str) else None)
+        self.token_bytes = responses.TokenBytesOf(self.tokenizer)  # its table parsed on first use
+
+
+def add_chat_route(app: FastAPI, ctx: ChatRoutes) -> None:
     @app.post("/v1/chat/completions", response_model=None, responses=generation(api.ChatCompletionResponse))
     async def chat(
         body: api.ChatCompletionRequest, request: Request
     ) -> Response | api.ChatCompletionResponse:
-        check(body.model)
-        params = handling.params(lambda: body.sampling_params(defaults))
+        ctx.check(body.model)
+        params = handling.params(lambda: body.sampling_params(ctx.defaults))
         choice = body.effective_tool_choice()
-        prompt = body.render(tokenizer)
-        rid, streams = await submit("chatcmpl", [prompt], params, body.add_special_tokens)
+        prompt = body.render(ctx.tokenizer)
+        rid, streams = await ctx.submit("chatcmpl", [prompt], params, body.add_special_tokens)
         created = int(time.time())  # one creation time for every chunk of a stream
-        name = responses.token_namer(token_str, body.return_tokens_as_token_ids)
+        name = responses.token_namer(ctx.token_str, body.return_tokens_as_token_ids)
         want_lp, top_n = params.logprobs is not None, params.logprobs or 0
-        raw = token_bytes.get() if want_lp else None
+        raw = ctx.token_bytes.get() if want_lp else None
         with_tools = bool(body.tools) and choice != "none"
         one_call = body.parallel_tool_calls is False  # at most one call, whatever the model wrote
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
             split = (
-                {k: tool_calls.Streamer(choice, parser, one_call) for k in range(params.n)}
+                {k: tool_calls.Streamer(choice, ctx.parser, one_call) for k in range(params.n)}
                 if with_tools
                 else {}
             )
@@ -100,7 +110,7 @@ def add_chat_route(
 
             def chunk(choices: list[Any], usage: api.Usage | None) -> api.ChatCompletionChunk:
                 return api.ChatCompletionChunk(
-                    id=rid, created=created, model=served_model_name, choices=choices, usage=usage
+                    id=rid, created=created, model=ctx.served_model_name, choices=choices, usage=usage
                 )
 
             # a role-only chunk per choice first, as OpenAI and vLLM send (the openai client
@@ -117,7 +127,7 @@ def add_chat_route(
                 text: str | None = "".join(acc.text.get(k, []))
                 calls: list[tool_calls.Call] = []
                 if with_tools:
-                    text, calls = tool_calls.parse(text or "", choice, parser)
+                    text, calls = tool_calls.parse(text or "", choice, ctx.parser)
                     calls = calls[:1] if one_call else calls
                 choices.append(
                     api.ChatChoice(
@@ -133,7 +143,7 @@ def add_chat_route(
                     )
                 )
             return api.ChatCompletionResponse(
-                id=rid, created=created, model=served_model_name, choices=choices, usage=acc.usage()
+                id=rid, created=created, model=ctx.served_model_name, choices=choices, usage=acc.usage()
             )
 
         return await handling.run_collect(request, collect(), streams)

@@ -23,12 +23,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from ferryman.server import handling, responses, tool_calls, tools
+from ferryman.server import handling, responses, tool_calls
 from ferryman.server import protocol as api
 from ferryman.server import response_models as rm
 from ferryman.server import responses_api as ra
 from ferryman.server.async_engine import EngineDeadError, RequestFailedError, Update
-from ferryman.server.chat_route import Submit
+from ferryman.server.chat_route import ChatRoutes
 from ferryman.server.errors import ApiError, generation
 
 log = logging.getLogger("ferryman.server")
@@ -70,39 +70,28 @@ def _call_item(c: tool_calls.Call) -> rm.OutputFunctionCall:
     )
 
 
-def add_responses_route(
-    app: FastAPI,
-    tokenizer: Any,
-    served_model_name: str,
-    check: Callable[[str | None], None],
-    submit: Submit,
-    token_str: Callable[[int], str],
-    defaults: dict[str, Any],
-) -> None:
-    """``defaults``: the model's sampling defaults (generation_config.json)."""
-    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
-    parser = tools.pick_parser(template if isinstance(template, str) else None)
-    token_bytes = responses.TokenBytesOf(tokenizer)
-
+def add_responses_route(app: FastAPI, ctx: ChatRoutes) -> None:
     @app.post("/v1/responses", response_model=None, responses=generation(rm.ResponseObject))
     async def create(body: ra.ResponsesRequest, request: Request) -> Response | rm.ResponseObject:
-        check(body.model)
+        ctx.check(body.model)
         chat = body.to_chat()
-        params = handling.params(lambda: chat.sampling_params(defaults))
+        params = handling.params(lambda: chat.sampling_params(ctx.defaults))
         choice = chat.effective_tool_choice()
-        prompt = chat.render(tokenizer)
-        rid, streams = await submit("resp", [prompt], params, chat.add_special_tokens)
+        prompt = chat.render(ctx.tokenizer)
+        rid, streams = await ctx.submit("resp", [prompt], params, chat.add_special_tokens)
         key = rid.removeprefix("resp-")  # OpenAI's ids: resp_<key>, msg_<key>
         created = int(time.time())
-        top_n, raw = params.logprobs or 0, token_bytes.get() if params.logprobs is not None else None
+        top_n, raw = params.logprobs or 0, ctx.token_bytes.get() if params.logprobs is not None else None
 
         def lp(toks: list[int], lps: list[Any]) -> list[api.ChatTokenLogprob]:
-            got = responses.chat_logprobs(toks, lps, token_str, top_n, raw)
+            got = responses.chat_logprobs(toks, lps, ctx.token_str, top_n, raw)
             return got.content if got is not None else []
 
         answer = _Answer(key, lp if params.logprobs is not None else None)
         with_tools = body.tools and choice != "none"
-        split = tool_calls.Streamer(choice, parser, body.parallel_tool_calls is False) if with_tools else None
+        split = (
+            tool_calls.Streamer(choice, ctx.parser, body.parallel_tool_calls is False) if with_tools else None
+        )
 
         def feed(u: Update) -> str:
             """Takes in one update; the text it releases (with tools, held while a call may begin)."""
@@ -131,7 +120,7 @@ def add_responses_route(
                 id=f"resp_{key}",
                 created_at=created,
                 status=status,  # type: ignore[arg-type]
-                model=served_model_name,
+                model=ctx.served_model_name,
                 output=answer.items() if done else [],
                 usage=answer.usage() if done else None,
                 incomplete_details=rm.IncompleteDetails(reason="max_output_tokens")

@@ -37,8 +37,15 @@ log = logging.getLogger("ferryman.server")
 class _Answer:
     """One response's output as it grows: text, calls, logprobs, finish reason, usage."""
 
-    def __init__(self, key: str, lp: Callable[[list[int], list[Any]], list[api.ChatTokenLogprob]] | None):
-        self.msg_id, self.lp = f"msg_{key}", lp
+    def __init__(
+        self,
+        key: str,
+        lp: Callable[[list[int], list[Any]], list[api.ChatTokenLogprob]] | None,
+        split: tool_calls.Streamer | None,
+    ):
+        """``lp``: a delta's logprobs in the output's shape (None: not asked); ``split``: the
+        text's splitter into content and calls (None without tools)."""
+        self.msg_id, self.lp, self.split = f"msg_{key}", lp, split
         self.text: list[str] = []
         # of the tokens whose text is the message's; those of tokens held back (a call may begin)
         # wait in `held`: they join once their text is released, or are dropped as a call's
@@ -48,6 +55,27 @@ class _Answer:
         self.reason: str | None = None
         self.prompt: dict[int, tuple[int, int]] = {}
         self.num_tokens = 0
+
+    def feed(self, u: Update) -> str:
+        """Takes in one update; the text it releases (with tools, held while a call may begin)."""
+        responses.prompt_counts(self.prompt, 0, u)
+        out = ""
+        for d in u.deltas:
+            self.num_tokens += len(d.token_ids)
+            if self.lp is not None:
+                self.held += self.lp(d.token_ids, d.logprobs or [])
+            done = d.finish_reason is not None
+            text, calls = self.split.step(d.text, done) if self.split is not None else (d.text, [])
+            if done:
+                self.reason, self.calls = d.finish_reason, calls
+            if calls:  # what was held spelled the calls
+                self.held.clear()
+            if text or (done and not calls):
+                self.logprobs += self.held
+                self.held.clear()
+            out += text
+        self.text.append(out)
+        return out
 
     def message(self, status: rm.ItemStatus) -> rm.OutputMessage:
         part = rm.OutputText(text="".join(self.text), logprobs=self.logprobs if self.lp else None)
@@ -87,32 +115,11 @@ def add_responses_route(app: FastAPI, ctx: ChatRoutes) -> None:
             got = responses.chat_logprobs(toks, lps, ctx.token_str, top_n, raw)
             return got.content if got is not None else []
 
-        answer = _Answer(key, lp if params.logprobs is not None else None)
         with_tools = body.tools and choice != "none"
         split = (
             tool_calls.Streamer(choice, ctx.parser, body.parallel_tool_calls is False) if with_tools else None
         )
-
-        def feed(u: Update) -> str:
-            """Takes in one update; the text it releases (with tools, held while a call may begin)."""
-            responses.prompt_counts(answer.prompt, 0, u)
-            out = ""
-            for d in u.deltas:
-                answer.num_tokens += len(d.token_ids)
-                if answer.lp is not None:
-                    answer.held += answer.lp(d.token_ids, d.logprobs or [])
-                done = d.finish_reason is not None
-                text, calls = split.step(d.text, done) if split is not None else (d.text, [])
-                if done:
-                    answer.reason, answer.calls = d.finish_reason, calls
-                if calls:  # what was held spelled the calls
-                    answer.held.clear()
-                if text or (done and not calls):
-                    answer.logprobs += answer.held
-                    answer.held.clear()
-                out += text
-            answer.text.append(out)
-            return out
+        answer = _Answer(key, lp if params.logprobs is not None else None, split)
 
         def response(status: str, error: rm.ResponseError | None = None) -> rm.ResponseObject:
             done = status in ("completed", "incomplete")
@@ -137,12 +144,12 @@ def add_responses_route(app: FastAPI, ctx: ChatRoutes) -> None:
 
         if body.stream:
             return StreamingResponse(
-                _events(streams, answer, feed, response, final), media_type="text/event-stream"
+                _events(streams, answer, response, final), media_type="text/event-stream"
             )
 
         async def collect() -> rm.ResponseObject:
             async for _, u in responses.merge(streams):
-                feed(u)
+                answer.feed(u)
             return final()
 
         return await handling.run_collect(request, collect(), streams)
@@ -158,7 +165,6 @@ def _plain(v: Any) -> Any:
 async def _events(
     streams: list[AsyncIterator[Update]],
     answer: _Answer,
-    feed: Callable[[Update], str],
     response: Callable[..., rm.ResponseObject],
     final: Callable[[], rm.ResponseObject],
 ) -> AsyncIterator[str]:
@@ -187,7 +193,7 @@ async def _events(
         yield event("response.in_progress", response=response("in_progress"))
         shown = 0  # logprobs sent so far (a token whose text is held back sends its own later)
         async for _, u in responses.merge(streams):
-            text = feed(u)
+            text = answer.feed(u)
             if text or len(answer.logprobs) > shown:  # a last token may add logprobs, no text
                 for e in [] if opened else open_message():
                     yield e
